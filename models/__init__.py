@@ -1,0 +1,1 @@
+"""HF-style models: Kimi K2 target and DFlash drafter (installed as torch_kdtree.models)."""

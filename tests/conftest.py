@@ -1,0 +1,24 @@
+import os
+
+import pytest
+import torch
+
+import torch_kdtree  # noqa: F401  (registers the ops)
+
+HAS_CUDA = torch.cuda.is_available() and torch_kdtree.build_info()["cuda_kernels"]
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and the compiled CUDA kernels")
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def devices():
+    """CPU always; CUDA when a device and the kernels are present."""
+    return ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.fixture
+def fresh_seed():
+    """A fresh random seed every run (printed on failure through the test's id in the log)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return seed

@@ -1,0 +1,409 @@
+// DDTree step kernels: ddtree_build, tree_accept, kv_commit (semantics: shared/docs/ddtree.md,
+// restated in torch_kdtree/ops/ddtree.py, whose pure-torch references these must equal bit for bit).
+//
+// ddtree_build: one block per request.  Warp 0 runs the best-first loop; the other warps clear
+// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (one pop depends on the
+// last), so the candidate set lives mostly in registers: a sorted list of up to 32 keys, one
+// per lane, where a pop is one shuffle and an insert is one ballot and one shuffle.  Keys that
+// do not fit go to an unsorted overflow pool in shared memory whose best key is tracked; a pop
+// takes min(list head, pool best), and only a pop from the pool rescans it (warp-parallel).
+// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word =
+// parent << 10 | rank, which is exactly the reference's order (score desc, parent asc, rank asc).
+//
+// tree_accept: one block per request; every node tests itself against its parent's target
+// token in parallel (children of one node carry distinct tokens, ties go to the lower index),
+// then one thread follows the matched links from the root (at most depth + 1 steps).
+//
+// kv_commit: one thread per (layer, request, 16-byte column chunk) copies the accepted rows in
+// path order.  Reading a batch of rows before writing it is safe because a path's indices are
+// increasing, so row j's source (>= j) is never a row an earlier j' < j writes.  Pure bandwidth.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace kdtree {
+namespace {
+
+constexpr int kMaxBudget = 1024;
+constexpr int kMaxNodes = kMaxBudget + 1;
+constexpr int kMaxDepth = 32;
+constexpr int kMaxK = 1024;
+constexpr int kBuildThreads = 256;
+constexpr int kLpCacheFloats = 6144;  // 24 KB of log-probs cached in shared memory (48 KB static total)
+constexpr uint64_t kEmpty = ~0ull;
+
+__device__ __forceinline__ uint32_t orderable(float f) {
+  if (f == 0.0f) f = 0.0f;  // -0 and +0 compare equal in the reference
+  uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_orderable(uint32_t o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank) {
+  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 10) | uint32_t(rank);
+}
+__device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
+  return __shfl_sync(0xffffffffu, v, src);
+}
+__device__ __forceinline__ uint64_t warp_min64(uint64_t v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    uint64_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o < v ? o : v;
+  }
+  return v;
+}
+
+struct BuildShared {
+  float node_score[kMaxNodes];
+  int16_t node_parent[kMaxNodes];
+  int16_t node_rank[kMaxNodes];
+  int8_t node_depth[kMaxNodes];
+  uint64_t pool[kMaxNodes + 1];
+  float lp[kLpCacheFloats];
+  int num_nodes;
+};
+
+__global__ void __launch_bounds__(kBuildThreads)
+ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restrict__ token_ids,
+                    const int64_t* __restrict__ root_tokens, int L, int K, int budget,
+                    int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
+                    int32_t* __restrict__ depths, bool* __restrict__ visible) {
+  __shared__ BuildShared sh;
+  const int r = blockIdx.x;
+  const int N = budget + 1;
+  const float* lp_g = logprobs + int64_t(r) * L * K;
+  const int64_t* ids_g = token_ids + int64_t(r) * L * K;
+  bool* vis = visible + int64_t(r) * N * N;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+
+  // Cache the first kc columns of every depth's row.
+  const int kc = min(K, kLpCacheFloats / L);
+  for (int i = threadIdx.x; i < L * kc; i += blockDim.x) sh.lp[i] = lp_g[(i / kc) * K + i % kc];
+  __syncthreads();
+
+  if (warp == 0) {
+    auto lp_at = [&](int d, int rank) -> float {
+      return rank < kc ? sh.lp[d * kc + rank] : __ldg(lp_g + d * K + rank);
+    };
+    uint64_t key = lane == 0 ? make_key(lp_at(0, 0), 0, 0) : kEmpty;  // sorted list, one per lane
+    int cnt = 1;
+    int pool_size = 0;
+    uint64_t pool_best = kEmpty;
+    int pool_best_idx = -1;
+    if (lane == 0) {
+      sh.node_score[0] = 0.0f;
+      sh.node_parent[0] = -1;
+      sh.node_rank[0] = 0;
+      sh.node_depth[0] = 0;
+    }
+    int n = 1;
+    // Inserting x either enters the list (evicting its tail to the pool when full) or goes to
+    // the pool; a pop below looks at both, so no ordering between list and pool is needed.
+    auto insert = [&](uint64_t x) {
+      const uint64_t tail = shfl64(key, 31);
+      if (cnt == 32 && x >= tail) {
+        if (lane == 0) sh.pool[pool_size] = x;
+        if (x < pool_best) { pool_best = x; pool_best_idx = pool_size; }
+        ++pool_size;
+        return;
+      }
+      const int pos = __popc(__ballot_sync(0xffffffffu, key < x));
+      const uint64_t up = __shfl_up_sync(0xffffffffu, key, 1);
+      if (cnt == 32) {
+        if (lane == 0) sh.pool[pool_size] = tail;
+        if (tail < pool_best) { pool_best = tail; pool_best_idx = pool_size; }
+        ++pool_size;
+      } else {
+        ++cnt;
+      }
+      key = lane < pos ? key : (lane == pos ? x : up);
+    };
+    while (n < N) {
+      const uint64_t head = shfl64(key, 0);
+      uint64_t c;
+      if (pool_best < head) {
+        c = pool_best;
+        __syncwarp();
+        if (lane == 0) sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
+        --pool_size;
+        __syncwarp();
+        uint64_t best = kEmpty;
+        for (int i = lane; i < pool_size; i += 32) best = sh.pool[i] < best ? sh.pool[i] : best;
+        pool_best = warp_min64(best);
+        int idx = 0x7fffffff;
+        if (pool_best != kEmpty)
+          for (int i = lane; i < pool_size; i += 32)
+            if (sh.pool[i] == pool_best) idx = i;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) idx = min(idx, __shfl_xor_sync(0xffffffffu, idx, off));
+        pool_best_idx = pool_best == kEmpty ? -1 : idx;
+      } else if (head != kEmpty) {
+        c = head;
+        key = __shfl_down_sync(0xffffffffu, key, 1);
+        if (lane == 31) key = kEmpty;
+        --cnt;
+      } else {
+        break;  // no candidates left: fewer than B nodes exist
+      }
+      const float s = from_orderable(~uint32_t(c >> 32));
+      const int p = int((uint32_t(c) >> 10) & 0x7ff);
+      const int rank = int(uint32_t(c) & 0x3ff);
+      const int d = sh.node_depth[p] + 1;
+      const float sp = sh.node_score[p];
+      __syncwarp();
+      if (lane == 0) {
+        sh.node_score[n] = s;
+        sh.node_parent[n] = int16_t(p);
+        sh.node_rank[n] = int16_t(rank);
+        sh.node_depth[n] = int8_t(d);
+      }
+      __syncwarp();
+      if (rank + 1 < K) insert(make_key(__fadd_rn(sp, lp_at(d - 1, rank + 1)), p, rank + 1));
+      if (d < L) insert(make_key(__fadd_rn(s, lp_at(d, 0)), n, 0));
+      ++n;
+    }
+    if (lane == 0) sh.num_nodes = n;
+  } else {
+    // Clear the visibility matrix while warp 0 builds (16-byte stores where aligned).
+    const int64_t total = int64_t(N) * N;
+    const int t = threadIdx.x - 32, nt = blockDim.x - 32;
+    const int64_t misalign = int64_t((16 - (reinterpret_cast<uintptr_t>(vis) & 15)) & 15);
+    const int64_t head = misalign < total ? misalign : total;
+    for (int64_t i = t; i < head; i += nt) vis[i] = false;
+    uint4* v4 = reinterpret_cast<uint4*>(vis + head);
+    const int64_t n4 = (total - head) / 16;
+    for (int64_t i = t; i < n4; i += nt) v4[i] = make_uint4(0, 0, 0, 0);
+    for (int64_t i = head + n4 * 16 + t; i < total; i += nt) vis[i] = false;
+  }
+  __syncthreads();
+
+  const int built = sh.num_nodes;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    const int64_t o = int64_t(r) * N + i;
+    if (i == 0) {
+      tokens[o] = root_tokens[r];
+      parents[o] = -1;
+      depths[o] = 0;
+    } else if (i < built) {
+      const int d = sh.node_depth[i];
+      tokens[o] = ids_g[(d - 1) * K + sh.node_rank[i]];
+      parents[o] = sh.node_parent[i];
+      depths[o] = d;
+    } else {
+      tokens[o] = -1;
+      parents[o] = -1;
+      depths[o] = -1;
+    }
+    bool* row = vis + int64_t(i) * N;
+    if (i < built) {
+      for (int a = i; a >= 0; a = sh.node_parent[a]) row[a] = true;
+    } else {
+      row[i] = true;
+    }
+  }
+}
+
+__global__ void tree_accept_kernel(const int64_t* __restrict__ tokens, const int32_t* __restrict__ parents,
+                                   const int64_t* __restrict__ target, int N, int32_t* __restrict__ indices,
+                                   int32_t* __restrict__ lengths, int64_t* __restrict__ next_tokens) {
+  __shared__ int next_child[kMaxNodes];
+  __shared__ int path[kMaxNodes];
+  __shared__ int path_len;
+  const int r = blockIdx.x;
+  const int64_t base = int64_t(r) * N;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) next_child[i] = 0x7fffffff;
+  __syncthreads();
+  for (int i = 1 + threadIdx.x; i < N; i += blockDim.x) {
+    const int p = parents[base + i];
+    if (p >= 0 && p < i && tokens[base + i] == target[base + p]) atomicMin(&next_child[p], i);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int cur = 0, len = 0;
+    path[len++] = 0;
+    // Matched links strictly increase the index, so the walk ends within N steps.
+    while (next_child[cur] != 0x7fffffff) {
+      cur = next_child[cur];
+      path[len++] = cur;
+    }
+    path_len = len;
+    lengths[r] = len;
+    next_tokens[r] = target[base + cur];
+  }
+  __syncthreads();
+  const int len = path_len;
+  for (int i = threadIdx.x; i < N; i += blockDim.x) indices[base + i] = i < len ? path[i] : -1;
+}
+
+template <typename V>
+__global__ void kv_commit_kernel(V* __restrict__ cache, const int32_t* __restrict__ block_table,
+                                 const int32_t* __restrict__ cache_lens, const int32_t* __restrict__ indices,
+                                 const int32_t* __restrict__ lengths, int64_t num_pages, int page_size,
+                                 int row_vecs, int max_pages, int N) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  const int layer = blockIdx.z;
+  if (col >= row_vecs) return;
+  const int len = min(lengths[r], N);
+  const int base = cache_lens[r];
+  const int32_t* bt = block_table + int64_t(r) * max_pages;
+  const int32_t* idx = indices + int64_t(r) * N;
+  V* layer_cache = cache + int64_t(layer) * num_pages * page_size * row_vecs;
+  // Returns the element offset of a logical position, or -1 when it is not backed by a page.
+  auto offset = [&](int pos) -> int64_t {
+    if (pos < 0) return -1;
+    const int pi = pos / page_size;
+    if (pi >= max_pages) return -1;
+    const int page = bt[pi];
+    if (page < 0 || page >= num_pages) return -1;
+    return (int64_t(page) * page_size + pos % page_size) * row_vecs + col;
+  };
+  constexpr int kBatch = 8;
+  for (int j0 = 0; j0 < len; j0 += kBatch) {
+    V v[kBatch];
+    int64_t dst[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = j0 + u;
+      dst[u] = -1;
+      if (j < len) {
+        const int src_idx = idx[j];
+        if (src_idx == j) continue;  // already in place
+        const int64_t so = offset(base + src_idx);
+        const int64_t d = offset(base + j);
+        if (so >= 0 && d >= 0) {
+          v[u] = layer_cache[so];
+          dst[u] = d;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (dst[u] >= 0) layer_cache[dst[u]] = v[u];
+  }
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
+    const at::Tensor& logprobs, const at::Tensor& token_ids, const at::Tensor& root_tokens, int64_t budget) {
+  const char* op = "kdtree::ddtree_build";
+  check_cuda(logprobs, op, "logprobs", at::kFloat, 3);
+  check_cuda(token_ids, op, "token_ids", at::kLong, 3);
+  check_cuda(root_tokens, op, "root_tokens", at::kLong, 1);
+  TORCH_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
+              " != logprobs shape ", logprobs.sizes());
+  const int64_t R = logprobs.size(0), L = logprobs.size(1), K = logprobs.size(2);
+  TORCH_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
+  TORCH_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
+  TORCH_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
+  TORCH_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
+  TORCH_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
+              op, ": all inputs must be on one device");
+  const c10::cuda::CUDAGuard guard(logprobs.device());
+  const int64_t N = budget + 1;
+  auto opts = logprobs.options();
+  at::Tensor tokens = at::empty({R, N}, opts.dtype(at::kLong));
+  at::Tensor parents = at::empty({R, N}, opts.dtype(at::kInt));
+  at::Tensor depths = at::empty({R, N}, opts.dtype(at::kInt));
+  at::Tensor visible = at::empty({R, N, N}, opts.dtype(at::kBool));
+  if (R > 0) {
+    ddtree_build_kernel<<<R, kBuildThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        logprobs.data_ptr<float>(), token_ids.data_ptr<int64_t>(), root_tokens.data_ptr<int64_t>(), int(L),
+        int(K), int(budget), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), depths.data_ptr<int32_t>(),
+        visible.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {tokens, parents, depths, visible};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_accept_cuda(const at::Tensor& tokens, const at::Tensor& parents,
+                                                                const at::Tensor& target_tokens) {
+  const char* op = "kdtree::tree_accept";
+  check_cuda(tokens, op, "tokens", at::kLong, 2);
+  check_cuda(parents, op, "parents", at::kInt, 2);
+  check_cuda(target_tokens, op, "target_tokens", at::kLong, 2);
+  TORCH_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
+              ": tokens, parents and target_tokens must share one [R, N] shape, got ", tokens.sizes(), ", ",
+              parents.sizes(), ", ", target_tokens.sizes());
+  const int64_t R = tokens.size(0), N = tokens.size(1);
+  TORCH_CHECK(N >= 1 && N <= kMaxNodes, op, ": N must be in [1, ", kMaxNodes, "], got ", N);
+  TORCH_CHECK(parents.device() == tokens.device() && target_tokens.device() == tokens.device(), op,
+              ": all inputs must be on one device");
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  at::Tensor indices = at::empty({R, N}, tokens.options().dtype(at::kInt));
+  at::Tensor lengths = at::empty({R}, tokens.options().dtype(at::kInt));
+  at::Tensor next_tokens = at::empty({R}, tokens.options());
+  if (R > 0) {
+    tree_accept_kernel<<<R, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), target_tokens.data_ptr<int64_t>(), int(N),
+        indices.data_ptr<int32_t>(), lengths.data_ptr<int32_t>(), next_tokens.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {indices, lengths, next_tokens};
+}
+
+template <typename V>
+void launch_commit(at::Tensor& kv, const at::Tensor& bt, const at::Tensor& lens, const at::Tensor& idx,
+                   const at::Tensor& lengths, int row_bytes) {
+  const int64_t layers = kv.size(0), pages = kv.size(1), R = bt.size(0);
+  const int row_vecs = row_bytes / int(sizeof(V));
+  const int threads = std::min(128, ((row_vecs + 31) / 32) * 32);
+  const dim3 grid((row_vecs + threads - 1) / threads, unsigned(R), unsigned(layers));
+  kv_commit_kernel<V><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<V*>(kv.data_ptr()), bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), idx.data_ptr<int32_t>(),
+      lengths.data_ptr<int32_t>(), pages, int(kv.size(2)), row_vecs, int(bt.size(1)), int(idx.size(1)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void kv_commit_cuda(at::Tensor kv_cache, const at::Tensor& block_table, const at::Tensor& cache_lens,
+                    const at::Tensor& indices, const at::Tensor& lengths) {
+  const char* op = "kdtree::kv_commit";
+  TORCH_CHECK(kv_cache.is_cuda(), op, ": kv_cache must be a CUDA tensor");
+  TORCH_CHECK(kv_cache.dim() == 4, op, ": kv_cache must be [num_layers, num_pages, page_size, D], got ",
+              kv_cache.sizes());
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kFloat ||
+                  kv_cache.scalar_type() == at::kHalf,
+              op, ": kv_cache must be bfloat16, float16 or float32, got ", kv_cache.scalar_type());
+  TORCH_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
+  check_cuda(block_table, op, "block_table", at::kInt, 2);
+  check_cuda(cache_lens, op, "cache_lens", at::kInt, 1);
+  check_cuda(indices, op, "indices", at::kInt, 2);
+  check_cuda(lengths, op, "lengths", at::kInt, 1);
+  const int64_t R = block_table.size(0);
+  TORCH_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
+              ": block_table, cache_lens, indices and lengths must agree on R = ", R);
+  for (const at::Tensor* t : {&block_table, &cache_lens, &indices, &lengths})
+    TORCH_CHECK(t->device() == kv_cache.device(), op, ": all inputs must be on one device");
+  if (R == 0 || kv_cache.numel() == 0 || indices.size(1) == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  const int row_bytes = int(kv_cache.size(3) * kv_cache.element_size());
+  const auto addr = reinterpret_cast<uintptr_t>(kv_cache.data_ptr());
+  if (row_bytes % 16 == 0 && addr % 16 == 0)
+    launch_commit<uint4>(kv_cache, block_table, cache_lens, indices, lengths, row_bytes);
+  else if (row_bytes % 4 == 0 && addr % 4 == 0)
+    launch_commit<uint32_t>(kv_cache, block_table, cache_lens, indices, lengths, row_bytes);
+  else
+    launch_commit<uint16_t>(kv_cache, block_table, cache_lens, indices, lengths, row_bytes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
+  m.impl("ddtree_build", &ddtree_build_cuda);
+  m.impl("tree_accept", &tree_accept_cuda);
+  m.impl("kv_commit", &kv_commit_cuda);
+}
+
+}  // namespace kdtree

@@ -1,0 +1,10 @@
+"""Typed wrappers over the ``torch.ops.kdtree`` ops; importing registers CPU and fake kernels."""
+from ._checks import set_value_checks, value_checks
+from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_commit, kv_commit_reference,
+                     tree_accept, tree_accept_reference)
+
+# ---- draft top-K ----
+
+# ---- MLA tree attention ----
+
+# ---- INT4 MoE ----
