@@ -8,3 +8,6 @@ from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_co
 # ---- MLA tree attention ----
 
 # ---- INT4 MoE ----
+from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
+                  int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
+                  int4_unpack)
