@@ -173,7 +173,8 @@ def dequant_moe(call: Call, layer: Layer, out, use_grouped=True):
 # one measurement
 # --------------------------------------------------------------------------------------------
 
-_STATE: dict = {}
+_STATE: dict = {}      # the current shape's weight copies
+_COPY_BW: list = []    # measured once per process
 
 
 def _layers(name):
@@ -186,17 +187,16 @@ def _layers(name):
 
 
 def _copy_bw():
-    if "copy_bw" not in _STATE:
-        _STATE["copy_bw"] = copy_bandwidth()
-    return _STATE["copy_bw"]
+    if not _COPY_BW:
+        _COPY_BW.append(copy_bandwidth())
+    return _COPY_BW[0]
 
 
 def measure(name: str, T: int) -> dict:
     s = SHAPES[name]
     E, H, I, k = s["E"], s["H"], s["I"], s["k"]
+    copy_bw = _copy_bw()
     layers = _layers(name)
-    copy_bw = _STATE.get("copy_bw") or copy_bandwidth()
-    _STATE["copy_bw"] = copy_bw
     calls = [Call(T, E, H, k, layers[c % LAYERS]) for c in range(CALLS)]
     ws = int4_moe_workspace(T, k, layers[0].int4)
 

@@ -20,7 +20,9 @@ Kernel layout (the same on every device, so repacked weights may be moved or sav
   ``2 i`` is gate channels [16 i, 16 i + 16) and tile ``2 i + 1`` is up's same channels, so one
   warp holds both halves of SiLU(gate) * up in its registers.
 
-The CPU kernels are the pure-torch references below; the CUDA kernels live in csrc/moe.cu.
+The CPU kernels are the pure-torch references below; the CUDA kernels live in csrc/moe.cu
+(four launches per call: align, gate/up GEMM, down GEMM, combine; chained with programmatic
+dependent launch unless the environment sets ``KDTREE_MOE_PDL=0``).
 """
 from __future__ import annotations
 
