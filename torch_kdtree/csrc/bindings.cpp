@@ -18,6 +18,14 @@ TORCH_LIBRARY(kdtree, m) {
   // ---- draft top-K (ops/topk.py, csrc/topk.cu) ----
 
   // ---- MLA tree attention (ops/mla.py, csrc/mla.cu) ----
+  // Absorbed-MLA attention of N tree nodes x H heads over one layer's paged latent cache
+  // (d_k 576 = 512 latent + 64 rope, d_v 512): node i sees positions [0, cache_lens[r]) and
+  // tree node j (stored at cache_lens[r] + j) iff visible[r, i, j].
+  m.def("mla_tree_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale) -> Tensor");
+  // Same, into caller-owned out [R, N, H, 512] and optionally lse float32 [R, N, H] (natural log).
+  m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
 

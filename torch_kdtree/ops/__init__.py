@@ -6,5 +6,6 @@ from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_co
 # ---- draft top-K ----
 
 # ---- MLA tree attention ----
+from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_attention_reference
 
 # ---- INT4 MoE ----
