@@ -28,6 +28,18 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
+  // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the
+  // kernel's fragment layout: qweight int32 [E, N/16, K/64, 128], scales bf16 [E, N/16, K/group, 16].
+  m.def("int4_repack(Tensor packed, Tensor scale, int group_size) -> (Tensor qweight, Tensor scales)");
+  // Routed-expert MLP, out-variant: everything the kernels need lives in the caller's
+  // workspace (uint8, size from ops.moe.int4_moe_plan), so it can sit in a CUDA graph.
+  m.def("int4_moe_out(Tensor x, Tensor w13_qweight, Tensor w13_scales, Tensor w2_qweight,"
+        " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
+        " int block_size, int k_splits, Tensor(a!) workspace, Tensor(b!) out) -> ()");
+  // Functional form: allocates the workspace (size depends on shapes only) and the output.
+  m.def("int4_moe(Tensor x, Tensor w13_qweight, Tensor w13_scales, Tensor w2_qweight,"
+        " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
+        " int block_size, int k_splits) -> Tensor");
 
 }
 
