@@ -322,7 +322,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
                 raise ValueError(f"KimiK2Model: visible must be bool [R, N, N] = {(R, T, T)}, got "
                                  f"{visible.dtype} {tuple(visible.shape)}")
             cache.check_room(T)
-            batch = _Tree(cache, cache.slots(T), visible)
+            batch = _Tree(cache, cache.slots(T), visible.contiguous())
         else:
             batch, positions = self._prefill_batch(input_ids, positions, cache, input_lengths)
         if tuple(positions.shape) != (R, T):

@@ -53,16 +53,16 @@ class KimiK2Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def _apply(self, fn, recurse=True):
-        before = {"weight": self.weight, "e_score_correction_bias": self.e_score_correction_bias}
+        kept = {"weight": self.weight.data, "e_score_correction_bias": self.e_score_correction_bias}
         super()._apply(fn, recurse)
-        for name, old in before.items():
+        for name, old in kept.items():
             new = getattr(self, name)
             if old.dtype == torch.float32 and new.dtype != torch.float32 and new.is_floating_point():
-                kept = old.detach().to(device=new.device)
+                restored = old.to(device=new.device)  # follow the move, undo the cast
                 if name in self._parameters:
-                    self._parameters[name] = nn.Parameter(kept, requires_grad=old.requires_grad)
+                    self._parameters[name].data = restored
                 else:
-                    self._buffers[name] = kept
+                    self._buffers[name] = restored
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
