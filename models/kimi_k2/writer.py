@@ -152,12 +152,13 @@ K25_TEXT_CHANGES = {
 }
 K25_IGNORE_EXTRA = ["re:.*vision_tower.*", "re:.*mm_projector.*"]
 
-# Scaled-down sizes for tests: every dimension the INT4 format packs is a multiple of 32.
+# Scaled-down sizes for tests.  The INT4 kernel layout tiles experts by 16 output channels x 64
+# inputs, so hidden_size and moe_intermediate_size stay multiples of 64.
 SMALL_SIZES = {
     "vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "hidden_size": 64, "intermediate_size": 128,
-    "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "n_routed_experts": 16, "num_experts_per_tok": 4,
 }
 
 Int4Encoder = Callable[[torch.Tensor, torch.Tensor], dict]
@@ -181,7 +182,17 @@ def _overrides_of(config) -> dict:
     if isinstance(config, dict):
         return config
     values = config.to_dict()  # a KimiK2Config: keep the K2 fields it sets
-    return {k: values[k] for k in K2_CONFIG if k in values and k not in ("architectures", "auto_map", "model_type")}
+    out = {k: values[k] for k in K2_CONFIG if k in values and k not in ("architectures", "auto_map", "model_type")}
+    rope = values.get("rope_scaling") or values.get("rope_parameters")
+    if rope:  # transformers 5 keeps RoPE as rope_parameters (with rope_theta inside); K2 files use rope_scaling
+        rope = dict(rope)
+        if rope.get("rope_theta") is not None:
+            out["rope_theta"] = rope.pop("rope_theta")
+        rope.pop("rope_theta", None)
+        kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope.pop("type", None)
+        out["rope_scaling"] = None if kind == "default" else {**rope, "type": kind}
+    return out
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -236,7 +247,8 @@ def _tensor_specs(config: dict, int4: bool) -> list[tuple[str, tuple, str]]:
         shapes = {"gate_proj": (moe_inter, h), "up_proj": (moe_inter, h), "down_proj": (h, moe_inter)}
         for e in range(experts):
             for proj in EXPERT_PROJECTIONS:
-                specs.append((f"{m}experts.{e}.{proj}", shapes[proj], "int4" if int4 else "linear"))
+                base = f"{m}experts.{e}.{proj}"  # int4: _make appends .weight_packed / _scale / _shape
+                specs.append((base, shapes[proj], "int4") if int4 else (base + ".weight", shapes[proj], "linear"))
         shared = moe_inter * config.get("n_shared_experts", 0)
         if shared:
             s = m + "shared_experts."
