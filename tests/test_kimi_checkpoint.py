@@ -550,7 +550,10 @@ def test_experts_packed_by_compressed_tensors_load_and_dequantise_identically(tm
             packed, scale = experts.tensors[2 * j], experts.tensors[2 * j + 1]
             for e in range(config["n_routed_experts"]):
                 base = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
-                reference = compressor.decompress({k: stored[base + k] for k in
-                                                   ("weight_packed", "weight_scale", "weight_shape")}, scheme)["weight"]
+                parts = {k: stored[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
                 ours = dequantize_explicit(packed[e], scale[e], stored[base + "weight_shape"].tolist())
-                assert torch.equal(ours, reference.float()), base
+                # the package dequantises in the scale's dtype (bf16 as stored), and exactly with fp32 scales
+                reference = compressor.decompress(parts, scheme)["weight"]
+                assert reference.dtype == torch.bfloat16 and torch.equal(ours.bfloat16(), reference), base
+                exact = compressor.decompress({**parts, "weight_scale": parts["weight_scale"].float()}, scheme)
+                assert torch.equal(ours, exact["weight"]), base
