@@ -557,3 +557,135 @@ def test_experts_packed_by_compressed_tensors_load_and_dequantise_identically(tm
                 assert reference.dtype == torch.bfloat16 and torch.equal(ours.bfloat16(), reference), base
                 exact = compressor.decompress({**parts, "weight_scale": parts["weight_scale"].float()}, scheme)
                 assert torch.equal(ours, exact["weight"]), base
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+def _kimi():
+    from torch_kdtree.models import kimi_k2
+    return kimi_k2
+
+
+def _expected_experts(stored: dict, prefix: str, layer: int, num_experts: int, int4: bool):
+    """(gate, up, down) stacked in fp32 from the checkpoint tensors, dequantised by the explicit unpacking."""
+    out = []
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        rows = []
+        for e in range(num_experts):
+            base = f"{prefix}model.layers.{layer}.mlp.experts.{e}.{proj}."
+            if int4:
+                shape = stored[base + "weight_shape"].tolist()
+                rows.append(dequantize_explicit(stored[base + "weight_packed"], stored[base + "weight_scale"], shape))
+            else:
+                rows.append(stored[base + "weight"].float())
+        out.append(torch.stack(rows))
+    return out
+
+
+def _check_model_matches_files(model, directory: Path, dtype: torch.dtype, int4: bool, prefix: str = ""):
+    stored = read_all(directory)
+    config = _text_config(directory)
+    fp32 = ("e_score_correction_bias", "mlp.gate.weight")
+    experts_seen = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".mlp.experts." in name or name.endswith("rotary_emb.inv_freq"):
+            continue
+        want = torch.float32 if name.endswith(fp32) else dtype
+        assert t.dtype == want and torch.equal(t, stored[prefix + name].to(want)), name
+    for layer in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        experts = model.get_submodule(f"model.layers.{layer}.mlp.experts")
+        assert experts.is_int4 == int4
+        got = experts.dense_weights(torch.float32)
+        want = _expected_experts(stored, prefix, layer, config["n_routed_experts"], int4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), layer
+        experts_seen += 1
+    assert experts_seen == config["num_hidden_layers"] - config["first_k_dense_replace"]
+
+
+@pytest.mark.parametrize("int4", [True, False], ids=["int4", "bf16"])
+def test_from_pretrained_reproduces_every_written_tensor(tmp_path, int4):
+    write_random_checkpoint(tmp_path, int4=int4, num_shards=3, seed=13)
+    model = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, progress=False)
+    assert not model.training
+    _check_model_matches_files(model, tmp_path, torch.bfloat16, int4)
+
+
+def test_from_pretrained_in_fp32_keeps_router_and_bias_fp32_and_runs(tmp_path):
+    write_random_checkpoint(tmp_path, int4=True, num_shards=2, seed=17)
+    model = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, progress=False)
+    _check_model_matches_files(model, tmp_path, torch.float32, int4=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 6, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_from_pretrained_builds_on_meta_and_never_initialises_weights(tmp_path, monkeypatch):
+    write_random_checkpoint(tmp_path, int4=True, num_shards=2, seed=1)
+    state_at_load = {}
+    real_load = ckpt_mod.load_checkpoint
+
+    def spy(model, *a, **kw):
+        state_at_load.update({n: p.is_meta for n, p in model.named_parameters()})
+        state_at_load.update({n: b.is_meta for n, b in model.named_buffers()})
+        return real_load(model, *a, **kw)
+
+    monkeypatch.setattr(ckpt_mod, "load_checkpoint", spy)
+    for fn in ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_"):
+        real = getattr(torch.nn.init, fn)
+        monkeypatch.setattr(torch.nn.init, fn, lambda t, *a, _real=real, **k: (
+            pytest.fail("random init of a real tensor") if not t.is_meta else _real(t, *a, **k)))
+    model = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, progress=False)
+    real_only = {n for n, meta in state_at_load.items() if not meta}
+    computed = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
+    assert state_at_load and real_only == computed   # only tables computed in __init__ (RoPE), never stored
+    _check_model_matches_files(model, tmp_path, torch.bfloat16, int4=True)
+
+
+def test_k25_wrapper_loads_through_from_pretrained(tmp_path):
+    write_random_checkpoint(tmp_path, int4=True, num_shards=3, k25_wrapper=True, seed=23)
+    with pytest.warns(UserWarning, match=r"vision_tower"):
+        model, info = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, progress=False, output_loading_info=True)
+    assert info.unexpected and all(n.startswith(("vision_tower.", "mm_projector.")) for n in info.unexpected)
+    _check_model_matches_files(model, tmp_path, torch.bfloat16, int4=True, prefix="language_model.")
+
+
+def test_auto_model_for_causal_lm_loads_without_trust_remote_code(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    write_random_checkpoint(tmp_path, int4=True, num_shards=2, seed=29)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), _kimi().KimiK2Config)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, progress=False)
+    assert type(model) is _kimi().KimiK2ForCausalLM
+    _check_model_matches_files(model, tmp_path, torch.bfloat16, int4=True)
+    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device_map="cpu", progress=False)
+    assert fp32.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_from_pretrained_refuses_what_it_cannot_honour(tmp_path):
+    write_random_checkpoint(tmp_path, int4=True, num_shards=1)
+    cls = _kimi().KimiK2ForCausalLM
+    with pytest.raises(TypeError, match="quantization_config"):
+        cls.from_pretrained(tmp_path, quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match="device_map='auto'"):
+        cls.from_pretrained(tmp_path, device_map="auto")
+    with pytest.raises(MissingShardError, match="not a local checkpoint directory"):
+        cls.from_pretrained(tmp_path / "absent")
+
+
+def test_int4_experts_written_by_compressed_tensors_dequantise_to_its_reference(tmp_path):
+    encode, compressor, scheme = _compressed_tensors_encoder()
+    write_random_checkpoint(tmp_path, int4=True, num_shards=3, seed=31, int4_encoder=encode)
+    model = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, progress=False)
+    stored = read_all(tmp_path)
+    config = _text_config(tmp_path)
+    for layer in (1, 2):
+        got = model.get_submodule(f"model.layers.{layer}.mlp.experts").dense_weights(torch.float32)
+        for j, proj in enumerate(("gate_proj", "up_proj", "down_proj")):
+            for e in range(config["n_routed_experts"]):
+                base = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
+                parts = {k: stored[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
+                bf16 = compressor.decompress(parts, scheme)["weight"]
+                exact = compressor.decompress({**parts, "weight_scale": parts["weight_scale"].float()}, scheme)
+                assert torch.equal(got[j][e], exact["weight"]), base
+                assert torch.equal(got[j][e].bfloat16(), bf16), base

@@ -598,8 +598,7 @@ def empty_weights(dtype: torch.dtype | None = None) -> Iterator[None]:
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "token",
-               "_from_auto", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors",
-               "attn_implementation")
+               "_from_auto", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors")
 
 
 def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, dtype=None, torch_dtype=None,
