@@ -7,9 +7,7 @@ model's parameter names (``_NamedModel``) and on the real ``KimiK2ForCausalLM``.
 from __future__ import annotations
 
 import json
-import math
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,8 @@ from safetensors.torch import load_file, save_file
 import torch_kdtree  # noqa: F401  (mounts torch_kdtree.models)
 from torch_kdtree.models.kimi_k2 import checkpoint as ckpt_mod
 from torch_kdtree.models.kimi_k2.checkpoint import (CheckpointError, MissingShardError, load_checkpoint,
-                                                    parse_quantization_config, scan_checkpoint)
-from torch_kdtree.models.kimi_k2.writer import (K2_QUANTIZATION_CONFIG, _tensor_specs, k2_config_dict, pack_int4,
-                                                write_random_checkpoint)
+                                                    parse_quantization_config)
+from torch_kdtree.models.kimi_k2.writer import K2_QUANTIZATION_CONFIG, _tensor_specs, pack_int4, write_random_checkpoint
 
 # --------------------------------------------------------------------------- independent helpers
 

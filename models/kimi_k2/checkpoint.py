@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
-import struct
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,68 +34,19 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-CONFIG_NAME = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-LANGUAGE_MODEL_PREFIX = "language_model."
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-INT4_TENSORS = ("weight_packed", "weight_scale", "weight_shape")
-INT4_BITS = 4
-INT4_PER_INT32 = 32 // INT4_BITS
-INT4_GROUP_SIZE = 32
+from .checkpoint_files import (EXPERT_PROJECTIONS, INT4_PER_INT32, INT4_TENSORS, LIST_LIMIT, CheckpointError,
+                               CheckpointFiles, Int4Format, MissingShardError, listing, parse_quantization_config,
+                               read_config_json, scan_checkpoint, text_config_of)
+
+__all__ = ["load_checkpoint", "from_pretrained", "empty_weights", "resolve_dtype", "LoadingInfo", "KEEP_FP32",
+           "CheckpointError", "MissingShardError", "parse_quantization_config", "scan_checkpoint"]
+
 # Tensors that stay fp32 whatever dtype the rest of the model is loaded in: the routing bias only
 # shifts the top-k choice, and in bf16 it would flip near-tied expert selections.
 KEEP_FP32 = ("e_score_correction_bias",)
-
-SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
 # Checkpoint dtypes a floating-point parameter may be read from (cast to the requested dtype).
 FLOAT_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
-_LIST_LIMIT = 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be loaded into the model; the message names the problem."""
-
-
-class MissingShardError(CheckpointError, FileNotFoundError):
-    """A file that the checkpoint needs (config, weights, or a shard named by the index) is absent."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as a safetensors header describes it."""
-
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Int4Format:
-    """compressed-tensors ``pack-quantized`` weights: symmetric int4, one scale per ``group_size`` inputs."""
-
-    num_bits: int = INT4_BITS
-    group_size: int = INT4_GROUP_SIZE
-
-
-@dataclasses.dataclass
-class CheckpointFiles:
-    """What a checkpoint directory holds, from its config and the shard headers (no tensor data)."""
-
-    directory: Path
-    config: dict            # config.json as written
-    text_config: dict       # the text model's config: ``text_config`` for the VLM wrapper, else ``config``
-    prefix: str             # prefix of the text model's tensor names ("" or "language_model.")
-    quantization: Int4Format | None
-    files: list[str]        # weight files, in load order
-    tensors: dict[str, TensorInfo]
 
 
 @dataclasses.dataclass
@@ -107,195 +56,6 @@ class LoadingInfo:
     loaded: list[str]       # checkpoint tensor names read
     unexpected: list[str]   # checkpoint tensor names the model has no place for (skipped)
     files: list[str]        # weight files opened, in order
-
-
-def _listing(names, limit: int = _LIST_LIMIT) -> str:
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-# ---------------------------------------------------------------------------- config.json
-
-
-def read_config_json(directory: str | os.PathLike) -> dict:
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise MissingShardError(f"{path}: no {CONFIG_NAME} in the checkpoint directory")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-
-
-def text_config_of(config: dict) -> dict:
-    """The text model's config: K2.5 / K2.6 nest it in ``text_config``; K2 / K2-Thinking are flat."""
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
-
-
-def quantization_config_of(config: dict) -> dict | None:
-    """K2.5 / K2.6 keep ``quantization_config`` inside ``text_config``; K2-Thinking at the top level."""
-    return text_config_of(config).get("quantization_config") or config.get("quantization_config")
-
-
-def parse_quantization_config(qc: Any) -> Int4Format | None:
-    """Validate a ``quantization_config``; ``None`` means an unquantised (bf16) checkpoint.
-
-    Only what the INT4 expert path computes exactly is accepted: compressed-tensors,
-    ``pack-quantized``, one weight scheme of 4-bit symmetric integers with group-32 scales,
-    no activation / KV-cache quantisation, no sparsity, no activation-order permutation.
-    Anything else raises, naming the field and the value found.
-    """
-    if qc is None:
-        return None
-    if hasattr(qc, "to_dict"):
-        qc = qc.to_dict()
-    if not isinstance(qc, dict):
-        raise CheckpointError(f"quantization_config must be a JSON object, found {type(qc).__name__}")
-
-    def bad(field, value, wanted):
-        return CheckpointError(f"unsupported quantisation: quantization_config.{field} = {value!r} "
-                               f"(this loader reads {wanted})")
-
-    method = qc.get("quant_method")
-    if method != "compressed-tensors":
-        raise bad("quant_method", method, "'compressed-tensors' INT4 experts only")
-    fmt = qc.get("format")
-    if fmt != "pack-quantized":
-        raise bad("format", fmt, "'pack-quantized'")
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise bad("quantization_status", status, "'compressed' weights")
-    if qc.get("kv_cache_scheme") is not None:
-        raise bad("kv_cache_scheme", qc["kv_cache_scheme"], "no KV-cache quantisation")
-    if qc.get("sparsity_config"):
-        raise bad("sparsity_config", qc["sparsity_config"], "no sparsity compression")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise bad("config_groups", groups, "one weight quantisation scheme")
-    for gname, group in groups.items():
-        where = f"config_groups.{gname}"
-        if group.get("format") not in (None, "pack-quantized"):
-            raise bad(f"{where}.format", group["format"], "'pack-quantized'")
-        for act in ("input_activations", "output_activations"):
-            if group.get(act) is not None:
-                raise bad(f"{where}.{act}", group[act], "weight-only quantisation (w4a16)")
-        w = group.get("weights")
-        if not isinstance(w, dict):
-            raise bad(f"{where}.weights", w, "a weight quantisation scheme")
-        checks = (("num_bits", INT4_BITS, "4-bit weights"), ("type", "int", "integer weights"),
-                  ("symmetric", True, "symmetric weights (no zero point)"),
-                  ("strategy", "group", "group-wise scales"),
-                  ("group_size", INT4_GROUP_SIZE, f"group size {INT4_GROUP_SIZE}"))
-        for key, wanted, what in checks:
-            if w.get(key) != wanted:
-                raise bad(f"{where}.weights.{key}", w.get(key), what)
-        if w.get("dynamic") not in (None, False):
-            raise bad(f"{where}.weights.dynamic", w["dynamic"], "static weight scales")
-        if w.get("actorder") not in (None, "static"):
-            raise bad(f"{where}.weights.actorder", w["actorder"], "no activation-order permutation")
-        if w.get("block_structure") is not None:
-            raise bad(f"{where}.weights.block_structure", w["block_structure"], "group-wise scales")
-    return Int4Format()
-
-
-# ---------------------------------------------------------------------------- safetensors headers
-
-
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors file's header without reading tensor data.
-
-    Checks what a truncated or corrupted download breaks: the header length, the JSON, each
-    tensor's dtype and byte range (dtype size x shape), and that the data section is exactly as
-    long as the header says.  Errors name the file.
-    """
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _HEADER_LIMIT or 8 + n > size:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes "
-                                  f"announced, file is {size} bytes)")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    data_bytes = size - 8 - n
-    tensors: dict[str, TensorInfo] = {}
-    end = 0
-    for name, entry in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, stop = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {entry!r}") from e
-        numel = 1
-        for s in shape:
-            numel *= s
-        if stop - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointError(f"{path}: corrupt header: tensor {name!r} ({entry['dtype']} {list(shape)}) "
-                                  f"has byte range [{begin}, {stop})")
-        end = max(end, stop)
-        tensors[name] = TensorInfo(str(path), dtype, shape)
-    if end != data_bytes:
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file: the header describes {end} "
-                              f"bytes of tensor data, the file holds {data_bytes}")
-    return tensors
-
-
-def scan_checkpoint(directory: str | os.PathLike) -> CheckpointFiles:
-    """Read ``config.json``, the index and every weight file's header; check that they agree."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise MissingShardError(f"{directory}: not a checkpoint directory")
-    config = read_config_json(directory)
-    quantization = parse_quantization_config(quantization_config_of(config))
-
-    index_path = directory / INDEX_FILE
-    weight_map: dict[str, str] | None = None
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index (need a 'weight_map' object): {e}") from e
-        files = sorted(set(weight_map.values()))
-    elif (directory / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        present = sorted(p.name for p in directory.iterdir())
-        raise MissingShardError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE} found "
-                                f"(files present: {_listing(present)}); only safetensors checkpoints are read")
-    for name in files:
-        if not name.endswith(".safetensors") or Path(name).name != name:
-            raise CheckpointError(f"{index_path}: weight file {name!r} is not a safetensors file in the directory")
-    absent = [name for name in files if not (directory / name).is_file()]
-    if absent:
-        raise MissingShardError(f"{directory}: missing shard file(s) named by {INDEX_FILE}: {_listing(absent)}")
-
-    tensors: dict[str, TensorInfo] = {}
-    for name in files:
-        for tname, info in read_safetensors_header(directory / name).items():
-            if tname in tensors:
-                raise CheckpointError(f"tensor {tname!r} appears in both {Path(tensors[tname].file).name} and {name}")
-            tensors[tname] = info
-    if weight_map is not None:
-        wrong = [f"{t} (index: {f})" for t, f in weight_map.items()
-                 if t not in tensors or Path(tensors[t].file).name != f]
-        if wrong:
-            raise CheckpointError(f"{index_path}: tensors not found in the shard the index names: {_listing(wrong)}")
-
-    wrapped = "text_config" in config or any(t.startswith(LANGUAGE_MODEL_PREFIX) for t in tensors)
-    return CheckpointFiles(directory, config, text_config_of(config), LANGUAGE_MODEL_PREFIX if wrapped else "",
-                           quantization, files, tensors)
 
 
 # ---------------------------------------------------------------------------- what the model expects
@@ -323,11 +83,13 @@ def _expert_geometry(model: torch.nn.Module) -> tuple[int, dict[str, tuple[int, 
     text = getattr(config, "text_config", None)
     config = text if text is not None and hasattr(text, "n_routed_experts") else config
     num_experts, inter, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-    return num_experts, {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    gate, up, down = EXPERT_PROJECTIONS
+    return num_experts, {gate: (inter, hidden), up: (inter, hidden), down: (hidden, inter)}
 
 
 def _expected_expert_tensors(name: str, num_experts: int, shapes: dict, quant: Int4Format | None):
     """Checkpoint name -> (expert, projection, kind, dtypes allowed, shape) for one experts module."""
+    packed, scale, shape = INT4_TENSORS
     out = {}
     for e in range(num_experts):
         for proj, (n, k) in shapes.items():
@@ -335,9 +97,9 @@ def _expected_expert_tensors(name: str, num_experts: int, shapes: dict, quant: I
             if quant is None:
                 out[f"{base}.weight"] = (e, proj, "weight", FLOAT_SOURCE_DTYPES, (n, k))
             else:
-                out[f"{base}.weight_packed"] = (e, proj, "packed", (torch.int32,), (n, k // INT4_PER_INT32))
-                out[f"{base}.weight_scale"] = (e, proj, "scale", (torch.bfloat16,), (n, k // quant.group_size))
-                out[f"{base}.weight_shape"] = (e, proj, "shape", _INTEGER_DTYPES, (2,))
+                out[f"{base}.{packed}"] = (e, proj, "packed", (torch.int32,), (n, k // INT4_PER_INT32))
+                out[f"{base}.{scale}"] = (e, proj, "scale", (torch.bfloat16,), (n, k // quant.group_size))
+                out[f"{base}.{shape}"] = (e, proj, "shape", _INTEGER_DTYPES, (2,))
     return out
 
 
@@ -370,14 +132,14 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, device=N
     """
     ckpt = scan_checkpoint(path)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    dtype = resolve_dtype(dtype, ckpt.text_config)
+    dtype = resolve_dtype(dtype, ckpt.config)
     plan = _plan(model, ckpt)
     aliases = _alias_groups(model)
     slots = plan["slots"]
 
     info = LoadingInfo(loaded=[], unexpected=plan["unexpected"], files=[])
     by_file: dict[str, list[str]] = {}
-    for cname in plan["wanted"]:
+    for cname in sorted(plan["wanted"], key=lambda c: ckpt.tensors[c].offset):  # sequential reads
         by_file.setdefault(ckpt.tensors[cname].file, []).append(cname)
     files = [str(ckpt.directory / f) for f in ckpt.files if str(ckpt.directory / f) in by_file]
     done: set[str] = set()
@@ -454,7 +216,7 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
             hint = " (the checkpoint has it quantised as weight_packed, but only routed experts may be INT4)"
         problems.append(f"missing tensor {cname}{hint}")
     missing_experts = [c for c in wanted if isinstance(wanted[c], tuple) and c not in ckpt.tensors]
-    for cname in missing_experts[:_LIST_LIMIT]:
+    for cname in missing_experts[:LIST_LIMIT]:
         hint = ""
         stem = cname.rsplit(".", 1)[0]
         if quant is not None and stem + ".weight" in ckpt.tensors:
@@ -462,8 +224,8 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
         elif quant is None and stem + ".weight_packed" in ckpt.tensors:
             hint = " (the checkpoint holds INT4 weight_packed here but config.json has no quantization_config)"
         problems.append(f"missing tensor {cname}{hint}")
-    if len(missing_experts) > _LIST_LIMIT:
-        problems.append(f"... and {len(missing_experts) - _LIST_LIMIT} more missing expert tensors")
+    if len(missing_experts) > LIST_LIMIT:
+        problems.append(f"... and {len(missing_experts) - LIST_LIMIT} more missing expert tensors")
     for cname, (dtypes, shape) in expected.items():
         info = ckpt.tensors.get(cname)
         if info is None:
@@ -477,7 +239,7 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
             problems.append(f"wrong shape for {cname} in {where}: {list(info.shape)}, expected {list(shape)}")
     if problems:
         raise CheckpointError(f"{ckpt.directory}: checkpoint does not match the model "
-                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:2 * _LIST_LIMIT]))
+                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:2 * LIST_LIMIT]))
 
     unexpected = sorted(c for c in ckpt.tensors if c not in wanted)
     if unexpected:
@@ -485,7 +247,7 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
         note = (f" ({len(outside)} outside the {ckpt.prefix!r} text model, e.g. the vision tower)"
                 if outside else "")
         warnings.warn(f"{ckpt.directory}: {len(unexpected)} checkpoint tensor(s) not used by the model{note}, "
-                      f"skipped: {_listing(unexpected)}", stacklevel=3)
+                      f"skipped: {listing(unexpected)}", stacklevel=3)
     return {"wanted": wanted, "slots": slots, "unexpected": unexpected}
 
 
@@ -544,17 +306,20 @@ def _check_everything_loaded(model: torch.nn.Module, slots: dict[str, _ExpertSlo
     unloaded = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if incomplete or unloaded:
         raise CheckpointError("model state left uninitialised after loading: "
-                              + _listing(incomplete + unloaded)
+                              + listing(incomplete + unloaded)
                               + " (a tensor the model needs has no counterpart in the checkpoint)")
 
 
 # ---------------------------------------------------------------------------- construction
 
 
-def resolve_dtype(dtype, text_config: dict) -> torch.dtype:
-    """``None`` / ``"auto"``: the checkpoint's ``torch_dtype`` (``dtype`` in newer files), else bf16."""
+def resolve_dtype(dtype, config: dict) -> torch.dtype:
+    """``None`` / ``"auto"``: the ``torch_dtype`` (``dtype`` in newer files) that ``config.json``
+    declares for the text model (or the wrapper), else bf16."""
     if dtype is None or dtype == "auto":
-        dtype = text_config.get("torch_dtype") or text_config.get("dtype") or "bfloat16"
+        text = text_config_of(config)
+        dtype = (text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype")
+                 or "bfloat16")
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(resolved, torch.dtype):
@@ -627,8 +392,7 @@ def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None
         device = device_map
     if dtype is None:
         dtype = torch_dtype
-    raw = read_config_json(directory)
-    dtype = resolve_dtype(dtype, text_config_of(raw))
+    dtype = resolve_dtype(dtype, read_config_json(directory))
     if config is None:
         config = cls.config_class.from_pretrained(directory)
     with empty_weights(dtype):

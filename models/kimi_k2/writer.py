@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import (CONFIG_NAME, EXPERT_PROJECTIONS, INDEX_FILE, INT4_BITS, INT4_GROUP_SIZE, INT4_PER_INT32,
-                         LANGUAGE_MODEL_PREFIX, SINGLE_FILE)
+from .checkpoint_files import (CONFIG_NAME, EXPERT_PROJECTIONS, INDEX_FILE, INT4_BITS, INT4_GROUP_SIZE,
+                               INT4_PER_INT32, LANGUAGE_MODEL_PREFIX, SINGLE_FILE)
 
 # K2-Thinking's quantization_config as shipped: every Linear is int4 except what ``ignore`` lists,
 # which leaves exactly the routed experts quantised.
