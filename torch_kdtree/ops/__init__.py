@@ -6,5 +6,9 @@ from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_co
 # ---- draft top-K ----
 
 # ---- MLA tree attention ----
+from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_attention_reference
 
 # ---- INT4 MoE ----
+from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
+                  int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
+                  int4_unpack)
