@@ -221,6 +221,10 @@ class DFlashDraftModel(nn.Module):
         self.context_lengths = torch.zeros(num_requests, dtype=torch.int64, device=device)
         self.context_capacity = capacity
         self._inv_freq = self._inv_freq.to(device)
+        # Fixed addresses: a CUDA graph (cudagraph trees under mode="reduce-overhead") may then
+        # mutate the cache in place instead of skipping graphs for "mutated inputs".
+        for t in (self.context_k, self.context_v, self.context_lengths, self._inv_freq):
+            torch._dynamo.mark_static_address(t)
 
     def reset_context(self, requests: torch.Tensor | None = None) -> None:
         """Empty the context of every request (``requests=None``) or of those where the bool
