@@ -364,6 +364,16 @@ def test_written_bf16_drafter_loads_in_bf16_with_public_names(tmp_path):
     assert DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).dtype == torch.float32
 
 
+def test_intermediate_size_missing_from_config_is_taken_from_the_checkpoint(tmp_path):
+    config = write_random_drafter(tmp_path, intermediate_size=80)
+    d = json.loads((tmp_path / "config.json").read_text())
+    del d["intermediate_size"], d["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    model = DFlashDraftModel.from_pretrained(tmp_path)
+    assert model.config.intermediate_size == 80 and model.config.vocab_size is None
+    assert model.layers[1].mlp.down_proj.weight.shape == (config.hidden_size, 80)
+
+
 KIMI_K25_DFLASH = {  # the shipped config.json of z-lab/Kimi-K2.5-DFlash (docs/dflash.md)
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
     "hidden_size": 7168, "vocab_size": 163840, "head_dim": 128, "num_attention_heads": 64, "num_key_value_heads": 8,

@@ -154,8 +154,8 @@ class DFlashConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
+    intermediate_size: int | None  # None: taken from the checkpoint's MLP weights when loading
+    vocab_size: int | None  # the target's (borrowed); None: unknown, not checked
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int | None = None
@@ -181,7 +181,7 @@ class DFlashConfig:
             raise ValueError(f"DFlash: head_dim must be even for rotate-half RoPE, got {self.head_dim}")
         if self.block_size < 2:
             raise ValueError(f"DFlash: block_size must be >= 2 (a root and at least one mask), got {self.block_size}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
+        if self.mask_token_id < 0 or self.vocab_size is not None and self.mask_token_id >= self.vocab_size:
             raise ValueError(f"DFlash: mask_token_id={self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         rope = dict(self.rope_parameters)
         if rope.get("rope_type", "default") not in _ROPE_TYPES:
@@ -227,8 +227,8 @@ class DFlashConfig:
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            intermediate_size=int(d["intermediate_size"]),
-            vocab_size=int(d["vocab_size"]),
+            intermediate_size=None if d.get("intermediate_size") is None else int(d["intermediate_size"]),
+            vocab_size=None if d.get("vocab_size") is None else int(d["vocab_size"]),
             mask_token_id=int(mask),
             target_layer_ids=list(taps),
             num_target_layers=None if n_target is None else int(n_target),
@@ -253,8 +253,6 @@ class DFlashConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
             "hidden_act": "silu",
             "attention_bias": False,
             "rms_norm_eps": self.rms_norm_eps,
@@ -263,8 +261,9 @@ class DFlashConfig:
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                               "block_size": self.block_size},
         }
-        if self.num_target_layers is not None:
-            d["num_target_layers"] = self.num_target_layers
+        for key in ("intermediate_size", "vocab_size", "num_target_layers"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         if rope["rope_type"] != "default":
             d["rope_scaling"] = rope
         if self.dtype is not None:

@@ -18,6 +18,7 @@ inside one CUDA graph.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -105,6 +106,8 @@ class DFlashMLP(nn.Module):
     def __init__(self, config: DFlashConfig, **factory):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
+        if i is None:
+            raise ValueError("DFlash: intermediate_size is unknown; from_pretrained takes it from the checkpoint")
         self.gate_proj = nn.Linear(h, i, bias=False, **factory)
         self.up_proj = nn.Linear(h, i, bias=False, **factory)
         self.down_proj = nn.Linear(i, h, bias=False, **factory)
@@ -359,13 +362,12 @@ class DFlashDraftModel(nn.Module):
         ``config`` replaces the file's config (e.g. to override ``rope_parameters
         ["attention_factor"]``); ``dtype`` casts after the checks (default: the file's dtype).
         """
-        config = config or DFlashConfig.from_pretrained(path)
+        config = copy.deepcopy(config) if config is not None else DFlashConfig.from_pretrained(path)
         file = os.path.join(path, WEIGHTS_NAME)
         if not os.path.isfile(file):
             others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt")))
             hint = f" (found {others}: pickle checkpoints are not loaded; convert to safetensors)" if others else ""
             raise FileNotFoundError(f"DFlash: no {WEIGHTS_NAME} in {path}{hint}")
-        expected = cls.expected_tensors(config)
         with safe_open(file, framework="pt", device="cpu") as f:
             names = {name: name.removeprefix("model.") for name in f.keys()}  # some re-exports prefix "model."
             found = {}
@@ -373,6 +375,13 @@ class DFlashDraftModel(nn.Module):
                 if key in found:
                     raise ValueError(f"DFlash: {file} holds {key!r} twice (with and without the 'model.' prefix)")
                 found[key] = f.get_slice(name)
+            if config.intermediate_size is None:  # config.json without it: the MLP weights say it
+                gate = found.get("layers.0.mlp.gate_proj.weight")
+                if gate is None:
+                    raise ValueError("DFlash: config.json has no intermediate_size and the checkpoint no "
+                                     "layers.0.mlp.gate_proj.weight to take it from")
+                config.intermediate_size = int(gate.get_shape()[0])
+            expected = cls.expected_tensors(config)
             problems = [f"missing tensors: {sorted(set(expected) - set(found))}"] if set(expected) - set(found) else []
             if set(found) - set(expected):
                 problems.append(f"unexpected tensors: {sorted(set(found) - set(expected))}")
