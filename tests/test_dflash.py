@@ -262,6 +262,11 @@ def test_append_of_tree_accepted_nodes_equals_appending_the_path_taps(fresh_seed
         want = model(roots)
     assert model.context_lengths.tolist() == [6, 4]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # without lengths: the indices >= 0 are the accepted nodes
+        model.setup_cache(2, 32)
+        model.append_context(prompt)
+        model.append_context(node_taps, indices=indices[:, :model.config.block_size])
+        torch.testing.assert_close(model(roots), want, rtol=1e-6, atol=1e-6)
 
 
 def test_capacity_overflow_raises_in_eager_mode():

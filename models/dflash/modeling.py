@@ -262,9 +262,10 @@ class DFlashDraftModel(nn.Module):
             lengths: int [R]: rows ``[0, lengths[r])`` of request r are appended (the rest is
                 ignored).  Or ``valid``: bool [R, A], the rows to append, in row order (e.g. a
                 prompt's attention mask under left padding).  Neither: all A rows.
-            indices: optional int [R, A'] row indices into ``taps`` gathered first (e.g.
-                ``tree_accept``'s accepted node indices, -1 padded, with ``lengths`` its accept
-                lengths; pass ``indices[:, :block_size]``: no more can be accepted).
+            indices: optional int [R, A'] row indices into ``taps`` gathered first, -1 = none
+                (e.g. ``tree_accept``'s accepted node indices; without ``lengths``/``valid`` the
+                rows with an index >= 0 are appended).  Pass ``indices[:, :block_size]``: no
+                more nodes than that can be accepted, and fc then runs on block_size rows only.
 
         Appended row j of request r gets position ``context_lengths[r] + j``; lengths advance on
         the device.  Overflowing ``capacity`` raises in eager mode (value checks on); under
@@ -274,6 +275,8 @@ class DFlashDraftModel(nn.Module):
         if indices is not None:
             gather = indices.long().clamp(min=0).unsqueeze(-1).expand(-1, -1, taps.shape[-1])
             taps = taps.gather(1, gather)
+            if lengths is None and valid is None:
+                valid = indices >= 0
         r, a, features = taps.shape
         n_req, slots = self.context_lengths.shape[0], self.context_k.shape[2]
         want = self.config.num_taps * self.config.hidden_size
