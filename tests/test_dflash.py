@@ -269,6 +269,31 @@ def test_append_of_tree_accepted_nodes_equals_appending_the_path_taps(fresh_seed
         torch.testing.assert_close(model(roots), want, rtol=1e-6, atol=1e-6)
 
 
+def test_draft_feeds_ddtree_build_and_tree_accept_feeds_append_context(fresh_seed):
+    """One DDTree step's drafter hand-offs with the real ops: logits -> top-K -> ddtree_build;
+    tree_accept's (indices, lengths) -> append_context; the context grows by the accept lengths."""
+    from torch_kdtree.ops import ddtree_build, tree_accept
+    model = random_drafter(seed=fresh_seed)
+    model.bind_target(*make_target(fresh_seed))
+    r, f, budget, k = 3, model.config.num_taps * H, 6, 4
+    with torch.no_grad():
+        model.setup_cache(r, 32)
+        model.append_context(torch.randn(r, 5, f), torch.tensor([5, 3, 1]))
+        roots = torch.tensor([7, 8, 9])
+        lp, ids = torch.log_softmax(model(roots).float(), dim=-1).topk(k, dim=-1)
+        tree = ddtree_build(lp, ids, roots, budget)
+        # A target that agrees with the drafter's top-1 at every depth, so paths get accepted.
+        depth = tree.depths.clamp(min=0, max=model.config.num_draft_depths - 1).long()
+        target_tokens = ids[torch.arange(r)[:, None], depth, 0]
+        accepted = tree_accept(tree.tokens, tree.parents, target_tokens)
+        before = model.context_lengths.clone()
+        node_taps = torch.randn(r, budget + 1, f)
+        model.append_context(node_taps, accepted.lengths, indices=accepted.indices[:, :model.config.block_size])
+        assert model(accepted.next_tokens).shape == (r, model.config.num_draft_depths, V)
+    assert accepted.lengths.min() >= 1
+    assert torch.equal(model.context_lengths, before + accepted.lengths)
+
+
 def test_capacity_overflow_raises_in_eager_mode():
     model = random_drafter()
     model.setup_cache(2, 5)
