@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .configuration import DFlashConfig
+from .configuration import DFlashConfig, default_target_layer_ids
 from .modeling import DFlashDraftModel
 
 # A tiny drafter for a tiny target: every shape distinct so that a transposed weight shows.
@@ -24,7 +24,6 @@ def random_drafter(config: DFlashConfig | None = None, *, seed: int = 0, dtype: 
     if config is None:
         values = {**TINY, **fields}
         if "target_layer_ids" not in values:
-            from .configuration import default_target_layer_ids
             values["target_layer_ids"] = default_target_layer_ids(values["num_target_layers"],
                                                                    values["num_hidden_layers"])
         config = DFlashConfig(**values)
