@@ -14,7 +14,7 @@ from torch_kdtree.models.dflash import (DFlashConfig, DFlashDraftModel, default_
                                         write_random_drafter)
 from torch_kdtree.ops import set_value_checks, value_checks
 
-from conftest import requires_cuda
+from .conftest import requires_cuda
 
 V, H = 256, 64
 
