@@ -41,13 +41,19 @@ def yarn_fields():
 # --------------------------------------------------------------------------------------------
 
 def transformers_rope(config: DFlashConfig):
-    """inv_freq and amplitude from transformers' own Qwen3 rotary embedding (an independent oracle)."""
+    """inv_freq and amplitude as transformers computes them for a Qwen3 config (an independent
+    oracle): its default-RoPE expression, and its own YaRN initialiser."""
     from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     d = config.to_dict()
     d.pop("architectures"), d.pop("auto_map")
-    rope = Qwen3RotaryEmbedding(Qwen3Config(**d))
-    return rope.inv_freq.double(), float(rope.attention_scaling)
+    qwen3 = Qwen3Config(**d)
+    rope_type = qwen3.rope_parameters["rope_type"]
+    if rope_type == "default":
+        base, dim = qwen3.rope_parameters["rope_theta"], qwen3.head_dim
+        return (1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).double(), 1.0
+    inv_freq, amplitude = ROPE_INIT_FUNCTIONS[rope_type](qwen3)
+    return inv_freq.double(), float(amplitude)
 
 
 def rms(x, w, eps):
