@@ -461,8 +461,15 @@ def test_config_format_variants():
         cfg = DFlashConfig.from_dict(base)
         cfg.rope_parameters["attention_factor"] = 1.4158883083359672
         assert DFlashDraftModel(cfg).rope_amplitude == 1.4158883083359672
-    # Round trip through the writer's format.
+    # Round trips through the writer's format, an amplitude override included.
     assert DFlashConfig.from_dict(DFlashConfig.from_dict(k26).to_dict()) == DFlashConfig.from_dict(k26)
+    for fields in ({}, yarn_fields()):
+        cfg = random_drafter(**fields).config
+        cfg.rope_parameters["attention_factor"] = 1.25
+        again = DFlashConfig.from_dict(cfg.to_dict())
+        assert again == cfg
+        with torch.device("meta"):
+            assert DFlashDraftModel(again).rope_amplitude == 1.25
 
 
 BAD_CONFIGS = [
