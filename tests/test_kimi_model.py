@@ -258,16 +258,19 @@ def test_absorbed_decode_reproduces_prefill_logits_at_every_position():
     assert cache.lengths.tolist() == [12, 12]
 
 
-def test_prefill_continues_after_a_committed_prefix():
+def test_prefill_continues_after_ragged_committed_prefixes():
     model = make_model(9)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10))
-    cache = KimiK2Cache.for_model(model, 2, 16, page_size=5, dtype=torch.float32)
-    with torch.no_grad():
-        full = model(ids).logits
-        head = model(ids[:, :5], cache=cache).logits
-        cache.advance(5)
-        tail = model(ids[:, 5:], cache=cache).logits
-    assert rel_err(torch.cat([head, tail], 1), full) <= 1e-5
+    g = torch.Generator().manual_seed(10)
+    heads = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 2)]
+    tails = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    cache = prefilled_cache(model, heads, page_size=3)
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    for r, t in enumerate(tails):
+        ids[r, : len(t)] = t
+    logits = model(ids, cache=cache, input_lengths=torch.tensor([4, 7])).logits
+    for r in range(2):
+        alone = model(torch.cat([heads[r], tails[r]])[None]).logits[0, len(heads[r]):]
+        assert rel_err(logits[r, : len(tails[r])], alone) <= 1e-5
 
 
 def test_tree_pass_over_a_chain_equals_decoding_one_by_one():
