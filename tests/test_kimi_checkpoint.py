@@ -207,6 +207,18 @@ def test_k25_wrapper_nests_the_text_config_and_prefixes_tensor_names(tmp_path):
     assert "language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed" in names
 
 
+def test_writer_takes_a_kimi_config_and_writes_it_back_in_the_k2_layout(tmp_path):
+    from torch_kdtree.models.kimi_k2 import KimiK2Config
+    from torch_kdtree.models.kimi_k2.writer import k2_config_dict
+    config = KimiK2Config.from_dict(k2_config_dict({"num_hidden_layers": 2, "n_routed_experts": 4, "rope_theta": 1e4}))
+    written = write_random_checkpoint(tmp_path, config, int4=False, num_shards=1)
+    assert (written["num_hidden_layers"], written["n_routed_experts"], written["rope_theta"]) == (2, 4, 1e4)
+    assert written["rope_scaling"]["type"] == "yarn" and written["torch_dtype"] == "bfloat16"
+    assert "quantization_config" not in written and written["model_type"] == "kimi_k2"
+    reread = KimiK2Config.from_pretrained(tmp_path)
+    assert reread.num_hidden_layers == 2 and reread.rope_parameters["factor"] == 64.0
+
+
 # --------------------------------------------------------------------------- quantization_config parsing
 
 
