@@ -182,7 +182,11 @@ def _overrides_of(config) -> dict:
     if isinstance(config, dict):
         return config
     values = config.to_dict()  # a KimiK2Config: keep the K2 fields it sets
-    out = {k: values[k] for k in K2_CONFIG if k in values and k not in ("architectures", "auto_map", "model_type")}
+    skip = ("architectures", "auto_map", "model_type", "transformers_version", "torch_dtype")
+    out = {k: values[k] for k in K2_CONFIG if k in values and k not in skip}
+    dtype = values.get("torch_dtype") or values.get("dtype")
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).removeprefix("torch.")
     rope = values.get("rope_scaling") or values.get("rope_parameters")
     if rope:  # transformers 5 keeps RoPE as rope_parameters (with rope_theta inside); K2 files use rope_scaling
         rope = dict(rope)
