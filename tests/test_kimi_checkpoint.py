@@ -20,7 +20,8 @@ from conftest import requires_cuda
 from torch_kdtree.models.kimi_k2 import checkpoint as ckpt_mod
 from torch_kdtree.models.kimi_k2.checkpoint import (CheckpointError, MissingShardError, load_checkpoint,
                                                     parse_quantization_config)
-from torch_kdtree.models.kimi_k2.writer import K2_QUANTIZATION_CONFIG, _tensor_specs, pack_int4, write_random_checkpoint
+from torch_kdtree.models.kimi_k2.writer import (K2_QUANTIZATION_CONFIG, _tensor_specs, compressed_tensors_layout, pack_int4,
+                                                unpack_int4, write_random_checkpoint)
 
 # --------------------------------------------------------------------------- independent helpers
 
@@ -126,6 +127,7 @@ def test_int4_packing_matches_the_format_definition_and_compressed_tensors():
     assert torch.equal(unpack_int4_explicit(packed, q.shape), q.to(torch.int64))
     assert torch.equal(packed, ct.pack_to_int32(q, 4))
     assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size(q.shape)), q)
+    assert torch.equal(unpack_int4(packed), q)
     # lowest nibble first, stored as q + 8: [-8, -7, ..., -1] -> nibbles 0..7 -> 0x76543210
     assert pack_int4(torch.arange(-8, 0, dtype=torch.int8)[None]).item() == 0x76543210
 
@@ -544,6 +546,20 @@ def _compressed_tensors_encoder():
         return {k: out[k] for k in ("weight_packed", "weight_scale", "weight_shape")}
 
     return encode, pq.PackedQuantizationCompressor, scheme
+
+
+def test_default_int4_files_equal_explicit_packing_and_the_compressed_tensors_compressor(tmp_path):
+    encode, _, _ = _compressed_tensors_encoder()
+    for sub, encoder in (("fast", None), ("ours", compressed_tensors_layout), ("ct", encode)):
+        write_random_checkpoint(tmp_path / sub, int4=True, num_shards=2, seed=8, int4_encoder=encoder)
+    fast, ours, ct = (read_all(tmp_path / sub) for sub in ("fast", "ours", "ct"))
+    assert fast.keys() == ours.keys() == ct.keys()
+    for k in fast:
+        assert torch.equal(fast[k], ours[k]), k
+        if k.endswith("weight_shape"):   # the package stores the shape as int64
+            assert ct[k].tolist() == fast[k].tolist(), k
+        else:
+            assert torch.equal(fast[k], ct[k]), k
 
 
 def test_experts_packed_by_compressed_tensors_load_and_dequantise_identically(tmp_path):
