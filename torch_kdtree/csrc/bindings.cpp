@@ -16,6 +16,14 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor indices, Tensor lengths) -> ()");
 
   // ---- draft top-K (ops/topk.py, csrc/topk.cu) ----
+  // Fused log-softmax + top-K over the vocabulary (ranked by float32 logit, ties lower id first).
+  m.def("draft_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor token_ids)");
+  // One vocabulary shard: its top-k raw logits, global ids and its log-sum-exp.
+  m.def("draft_topk_partial(Tensor logits, int k, int vocab_start)"
+        " -> (Tensor values, Tensor token_ids, Tensor lse)");
+  // Merge P shards' partial results [P, R, L, k_in] into the unsplit top-k.
+  m.def("draft_topk_merge(Tensor values, Tensor token_ids, Tensor lse, int k)"
+        " -> (Tensor logprobs, Tensor token_ids)");
 
   // ---- MLA tree attention (ops/mla.py, csrc/mla.cu) ----
   // Absorbed-MLA attention of N tree nodes x H heads over one layer's paged latent cache
