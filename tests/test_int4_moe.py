@@ -594,3 +594,17 @@ def test_cuda_graph_replays_with_new_routings(fresh_seed):
         ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32)
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) <= 1e-2
+
+
+@requires_cuda
+def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 24, 512, 128)
+    x = torch.randn((21, 512), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 21, 8, 24)
+    monkeypatch.setenv("KDTREE_MOE_PDL", "0")
+    a = run_out_poisoned(x, w, ids, tw, k_splits=4)
+    monkeypatch.setenv("KDTREE_MOE_PDL", "1")
+    b = run_out_poisoned(x, w, ids, tw, k_splits=4)
+    assert torch.equal(a, b)
+    check_against_reference(x, w, ids, tw)

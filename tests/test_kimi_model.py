@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, Dee
 from conftest import HAS_CUDA
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
 from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts
-from torch_kdtree.ops import ddtree_build, int4_dequantize
+from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
 
 VOCAB = 128
 # The GPU decode path runs mla_tree_attention's CUDA kernel (branch mla); without it there is nothing to capture.
@@ -69,6 +69,9 @@ INT4_QUANTIZATION = {
 }
 
 
+INT4_SIZES = {"hidden_size": 128}  # int4_moe tiles: H a multiple of 128, I of 64
+
+
 def make_model(seed: int = 0, **overrides) -> KimiK2ForCausalLM:
     torch.manual_seed(seed)
     model = KimiK2ForCausalLM(KimiK2Config.from_dict(k2_config_dict(**overrides))).float().eval()
@@ -113,8 +116,11 @@ def decode_one_by_one(model, cache, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def prefilled_cache(model, prompts: list[torch.Tensor], max_tokens: int = 64, page_size: int = 4) -> KimiK2Cache:
-    """A cache holding each prompt committed (right-padded prefill with input_lengths)."""
+    """A cache holding each prompt committed (right-padded prefill with input_lengths), its pages
+    handed out in a shuffled order so the block table really matters."""
     cache = KimiK2Cache.for_model(model, len(prompts), max_tokens, page_size=page_size, dtype=torch.float32)
+    shuffled = torch.randperm(cache.kv.shape[1], generator=torch.Generator().manual_seed(len(prompts)))
+    cache.block_table.copy_(shuffled.view_as(cache.block_table))
     lengths = torch.tensor([len(p) for p in prompts])
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
     for r, p in enumerate(prompts):
@@ -255,16 +261,19 @@ def test_absorbed_decode_reproduces_prefill_logits_at_every_position():
     assert cache.lengths.tolist() == [12, 12]
 
 
-def test_prefill_continues_after_a_committed_prefix():
+def test_prefill_continues_after_ragged_committed_prefixes():
     model = make_model(9)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10))
-    cache = KimiK2Cache.for_model(model, 2, 16, page_size=5, dtype=torch.float32)
-    with torch.no_grad():
-        full = model(ids).logits
-        head = model(ids[:, :5], cache=cache).logits
-        cache.advance(5)
-        tail = model(ids[:, 5:], cache=cache).logits
-    assert rel_err(torch.cat([head, tail], 1), full) <= 1e-5
+    g = torch.Generator().manual_seed(10)
+    heads = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 2)]
+    tails = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    cache = prefilled_cache(model, heads, page_size=3)
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    for r, t in enumerate(tails):
+        ids[r, : len(t)] = t
+    logits = model(ids, cache=cache, input_lengths=torch.tensor([4, 7])).logits
+    for r in range(2):
+        alone = model(torch.cat([heads[r], tails[r]])[None]).logits[0, len(heads[r]):]
+        assert rel_err(logits[r, : len(tails[r])], alone) <= 1e-5
 
 
 def test_tree_pass_over_a_chain_equals_decoding_one_by_one():
@@ -310,6 +319,47 @@ def test_branching_tree_equals_decoding_each_root_to_leaf_path():
             assert rel_err(logits[r, path], expected) <= 1e-5, (r, path)
 
 
+def test_tree_padding_nodes_leave_the_real_nodes_unchanged():
+    model = make_model(28)
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    logprobs = torch.randn(2, 1, 2, generator=g).log_softmax(-1).sort(dim=-1, descending=True).values
+    tree = ddtree_build(logprobs, torch.randint(0, VOCAB, (2, 1, 2), generator=g), torch.tensor([3, 5]), 4)
+    assert (tree.tokens[:, 3:] == -1).all()  # only root + 2 children exist: two padding rows
+    padded_cache, plain_cache = prefilled_cache(model, prompts), prefilled_cache(model, prompts)
+    positions = padded_cache.lengths.long()[:, None] + tree.depths.long()
+    padded = model(tree.tokens, positions, padded_cache, tree.visible).logits
+    plain = model(tree.tokens[:, :3], positions[:, :3], plain_cache, tree.visible[:, :3, :3].contiguous()).logits
+    assert rel_err(padded[:, :3], plain) <= 1e-6
+
+
+def test_kv_commit_after_a_tree_pass_continues_like_sequential_decode():
+    model = make_model(30)
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 3)]
+    parents = [-1, 0, 0, 1, 2, 2]  # two branches; accept 0 -> 2 -> 5 in request 0, 0 -> 1 -> 3 in request 1
+    N = len(parents)
+    visible = torch.zeros(N, N, dtype=torch.bool)
+    depth = torch.zeros(N, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i], depth[i] = visible[p], depth[p] + 1
+        visible[i, i] = True
+    tokens = torch.randint(0, VOCAB, (2, N), generator=g)
+    accepted = torch.tensor([[0, 2, 5, -1, -1, -1], [0, 1, 3, -1, -1, -1]], dtype=torch.int32)  # [R, N] as tree_accept
+    nxt = torch.randint(0, VOCAB, (2, 1), generator=g)
+    cache = prefilled_cache(model, prompts)
+    model(tokens, cache.lengths.long()[:, None] + depth, cache, visible.expand(2, N, N))
+    kv_commit(cache.kv, cache.block_table, cache.lengths, accepted, torch.tensor([3, 3], dtype=torch.int32))
+    cache.advance(3)
+    after_commit = decode_one_by_one(model, cache, nxt)
+    for r in range(2):
+        alone = prefilled_cache(model, [prompts[r]])
+        path = tokens[r, accepted[r, :3].long()]
+        expected = decode_one_by_one(model, alone, torch.cat([path, nxt[r]])[None])[0, -1]
+        assert rel_err(after_commit[r, 0], expected) <= 1e-5
+
+
 def test_cache_overflow_raises_instead_of_writing_out_of_bounds():
     model = make_model(15)
     cache = KimiK2Cache.for_model(model, 2, 8, page_size=4, dtype=torch.float32)
@@ -337,7 +387,7 @@ def _random_int4(E: int, N: int, K: int, g: torch.Generator):
 
 
 def test_int4_experts_equal_the_dense_path_on_dequantised_weights():
-    int4_model = make_model(16, quantization_config=INT4_QUANTIZATION)
+    int4_model = make_model(16, **INT4_SIZES, quantization_config=INT4_QUANTIZATION)
     dense_model = copy.deepcopy(int4_model)
     g = torch.Generator().manual_seed(17)
     for (name, experts), dense in zip(
@@ -383,14 +433,70 @@ def test_dense_expert_paths_agree():
         assert rel_err(grouped.double(), oracle) <= 1e-5
 
 
-def test_router_and_rope_frequencies_stay_fp32_when_the_model_is_cast():
-    model = make_model(19)
+def _rows(linear, lo, hi, dim=0):
+    part = copy.deepcopy(linear)
+    part.weight = torch.nn.Parameter(linear.weight.narrow(dim, lo, hi - lo).clone())
+    return part
+
+
+def test_heads_and_expert_slices_sharded_from_outside_sum_to_the_whole():
+    """Tensor parallelism applied from outside: each rank holds a slice of the heads / of the
+    experts' intermediate size, the modules read their sizes from the weights, and the ranks'
+    partial outputs add up to the unsharded module's (the all-reduce TP would do)."""
+    from torch_kdtree.models.kimi_k2.modeling import _Tree
+
+    model = make_model(32)
+    layer = model.model.layers[1]
+    attn, ranks = layer.self_attn, 2
+    heads, qk, kv, v = 4, 32 + 64, 32 + 32, 32
+    per = heads // ranks
+    shards = []
+    for r in range(ranks):
+        a = copy.deepcopy(attn)
+        a.q_b_proj = _rows(attn.q_b_proj, r * per * qk, (r + 1) * per * qk)
+        a.kv_b_proj = _rows(attn.kv_b_proj, r * per * kv, (r + 1) * per * kv)
+        a.o_proj = _rows(attn.o_proj, r * per * v, (r + 1) * per * v, dim=1)
+        shards.append(a)
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(2, 6, 64, generator=g)
+    positions = torch.arange(6)[None].expand(2, -1) + 7
+    cos, sin = model.model.rotary_emb(positions)
+    prefill, _ = model.model._prefill_batch(torch.zeros(2, 6, dtype=torch.long), positions, None, None)
+    whole = attn(x, cos, sin, prefill, 1)
+    assert rel_err(sum(a(x, cos, sin, prefill, 1) for a in shards), whole) <= 1e-5
+    cache = prefilled_cache(model, [torch.arange(7), torch.arange(7)])
+    tree = _Tree(cache, cache.slots(6), torch.tril(torch.ones(6, 6, dtype=torch.bool)).expand(2, 6, 6).contiguous())
+    whole = attn(x, cos, sin, tree, 1)
+    assert rel_err(sum(a(x, cos, sin, tree, 1) for a in shards), whole) <= 1e-5
+
+    experts = layer.mlp.experts
+    tokens = torch.randn(5, 64, generator=g)
+    ids, weights = layer.mlp.gate(tokens)
+    I = experts.gate_proj.shape[1]
+    parts = []
+    for r in range(ranks):
+        lo, hi = r * I // ranks, (r + 1) * I // ranks
+        e = KimiK2Experts(1, 1, 1)
+        e.set_dense(experts.gate_proj[:, lo:hi], experts.up_proj[:, lo:hi], experts.down_proj[:, :, lo:hi])
+        parts.append(e(tokens, ids, weights))
+    assert rel_err(sum(parts), experts(tokens, ids, weights)) <= 1e-5
+
+
+def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
+    model = make_model(19, **INT4_SIZES)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+    experts = model.model.layers[2].mlp.experts
+    E, I, H = experts.gate_proj.shape
+    g = torch.Generator().manual_seed(20)
+    experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
     model = model.to(torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
+    model = model.float()
+    assert experts.w13_scales.dtype == torch.bfloat16 and experts.w2_qweight.dtype == torch.int32
+    assert model.model.layers[1].mlp.experts.gate_proj.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,6 +530,49 @@ def test_decode_step_compiles_fullgraph_and_matches_eager():
 
 
 GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the kernel's smallest head count
+requires_int4_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")),
+    reason="needs a CUDA device and the kdtree::int4_moe CUDA kernel")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
+    model = make_model(34, **GPU_HEADS)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(35))
+    want = model(ids).logits
+    gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    grouped_calls = 0
+    grouped = KimiK2Experts._grouped
+
+    def counting(self, *args):
+        nonlocal grouped_calls
+        grouped_calls += 1
+        return grouped(self, *args)
+
+    monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
+    got = gpu(ids.cuda()).logits
+    assert rel_err(got.float().cpu(), want) <= 5e-2
+    assert grouped_calls == 2  # both MoE layers took the grouped_mm path
+    cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
+    paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
+    assert rel_err(paged.float(), got.float()) <= 2e-2
+
+
+@requires_int4_cuda
+def test_cuda_int4_experts_match_dense_on_dequantised_weights():
+    int4_model = make_model(36, **INT4_SIZES, **GPU_HEADS)
+    dense_model = copy.deepcopy(int4_model)
+    g = torch.Generator().manual_seed(37)
+    for experts, dense in zip([m for m in int4_model.modules() if isinstance(m, KimiK2Experts)],
+                              [m for m in dense_model.modules() if isinstance(m, KimiK2Experts)]):
+        E, I, H = experts.gate_proj.shape
+        weights = [_random_int4(E, I, H, g), _random_int4(E, I, H, g), _random_int4(E, H, I, g)]
+        experts.set_int4(*(t for w in weights for t in w))
+        dense.set_dense(*(int4_dequantize(*w, 32) for w in weights))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=g).cuda()
+    int4_model.to("cuda", torch.bfloat16)
+    dense_model.to("cuda", torch.bfloat16)
+    assert rel_err(int4_model(ids).logits.float(), dense_model(ids).logits.float()) <= 3e-2
 
 
 @requires_mla_cuda

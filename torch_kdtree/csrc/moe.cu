@@ -31,6 +31,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace kdtree {
 namespace {
@@ -82,6 +84,21 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Programmatic dependent launch (sm_90+, so both targets): a kernel launched with the PDL
+// attribute may start while its predecessor finishes; wait() blocks until the predecessor grid
+// has completed and its writes are visible, launch_dependents() lets the successor start.
+// Both are no-ops for a normal launch.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 template <int kLut>
@@ -185,6 +202,7 @@ moe_align_kernel(const IdT* __restrict__ topk_ids, const int32_t* __restrict__ e
   __shared__ int s_warp[32];
   __shared__ int s_total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  pdl_launch_dependents();  // gate/up's CTAs may get resident now; they wait for this grid
   for (int e = tid; e < E; e += blockDim.x) {
     s_count[e] = 0;
     s_cursor[e] = 0;
@@ -288,9 +306,14 @@ moe_gemm_kernel(const GemmArgs p) {
   __shared__ float s_tw[TB];
   __shared__ int s_last;
 
+  // gate/up reads align's output straight away.  down may read align's output (two grids back:
+  // complete before gate/up passed its wait and let down launch) and the weights before its
+  // wait; only act, gate/up's output, needs the wait.  L2 loads (ldcg): align rewrote these
+  // words while earlier CTAs of this SM may hold them in L1.
+  if constexpr (kGateUp) pdl_wait();
   const int blk = blockIdx.y;
-  if (blk >= p.meta[0]) return;  // beyond the blocks this routing produced
-  const int e = p.block_expert[blk];
+  if (blk >= __ldcg(p.meta)) return;  // beyond the blocks this routing produced
+  const int e = __ldcg(p.block_expert + blk);
   const int n_tiles = p.N / kCtaN;
   const int ntile = blockIdx.x % n_tiles;
   const int split = blockIdx.x / n_tiles;
@@ -300,7 +323,7 @@ moe_gemm_kernel(const GemmArgs p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   if (tid < TB) {
-    const int entry = p.sorted_ids[blk * TB + tid];
+    const int entry = __ldcg(p.sorted_ids + blk * TB + tid);
     s_rows[tid] = entry;
     if (!kGateUp) s_tw[tid] = entry < p.M ? p.topk_weights[entry] : 0.f;
   }
@@ -312,7 +335,7 @@ moe_gemm_kernel(const GemmArgs p) {
   // This lane's 16 bytes of its warp's first tile at chunk 0; tile + 1 is kc_total * 32 further.
   const int4* wsrc = p.qweight + (int64_t(e) * MT + mt_cta + warp * kMW) * kc_total * 32 + lane;
 
-  auto load_stage = [&](int st, int c) {
+  auto load_weights = [&](int st, int c) {
     uint8_t* base = smem + st * S::kStageBytes;
     int4* sw = reinterpret_cast<int4*>(base);
 #pragma unroll
@@ -323,7 +346,9 @@ moe_gemm_kernel(const GemmArgs p) {
       const bf16* src = p.scales + ((int64_t(e) * MT + mt_cta + tl) * G + (c * kTileK) / GS) * 16 + q * 8;
       cp_async16(base + S::kWBytes + tl * S::kScaleBytes + q * 16, src);
     }
-    uint8_t* sa = base + S::kWBytes + S::kSBytes;
+  };
+  auto load_acts = [&](int st, int c) {
+    uint8_t* sa = smem + st * S::kStageBytes + S::kWBytes + S::kSBytes;
     for (int i = tid; i < TB * 8; i += kThreads) {
       const int r = i >> 3, ch = i & 7;
       const int entry = s_rows[r];
@@ -386,21 +411,31 @@ moe_gemm_kernel(const GemmArgs p) {
     }
   };
 
+  // Prologue: weights of the first stages first (they never depend on the previous kernel),
+  // then the activations; group 0 holds all prologue weights, so group i done => stage i full.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st)
+    if (st < nchunks) load_weights(st, c_begin + st);
+  if constexpr (!kGateUp) pdl_wait();
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < nchunks) load_stage(st, c_begin + st);
+    if (st < nchunks) load_acts(st, c_begin + st);
     cp_async_commit();
   }
   for (int i = 0; i < nchunks; ++i) {
     cp_async_wait<kStages - 2>();  // chunk i has landed (this thread's copies)
     __syncthreads();               // ... everyone's; and chunk i - 1's stage is free again
     const int nxt = i + kStages - 1;
-    if (nxt < nchunks) load_stage(nxt % kStages, c_begin + nxt);
+    if (nxt < nchunks) {
+      load_weights(nxt % kStages, c_begin + nxt);
+      load_acts(nxt % kStages, c_begin + nxt);
+    }
     cp_async_commit();
     compute_stage(i % kStages);
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is reused for the epilogue staging below
+  pdl_launch_dependents();  // the next kernel waits for this grid's completion before reading its output
 
   if constexpr (kGateUp) {
     if (p.k_splits > 1) {
@@ -488,6 +523,7 @@ template <typename IdT>
 __global__ void moe_combine_kernel(const bf16* __restrict__ y, const IdT* __restrict__ topk_ids,
                                    const int32_t* __restrict__ emap, int num_global, int E, int64_t T, int topk, int H,
                                    bf16* __restrict__ out) {
+  pdl_wait();  // y comes from the down GEMM
   const int chunks = H / 8;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < T * chunks;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -597,9 +633,31 @@ std::tuple<at::Tensor, at::Tensor> int4_repack_cuda(const at::Tensor& packed, co
   return {qweight, scales};
 }
 
+// KDTREE_MOE_PDL=0 turns programmatic dependent launch off (read per call, for A/B timing).
+bool pdl_enabled() {
+  const char* v = std::getenv("KDTREE_MOE_PDL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
 template <int TB, int GS>
 void launch_gemms(GemmArgs up, GemmArgs down, int64_t n1, int64_t n2, int64_t max_blocks, int64_t k_splits,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, bool pdl) {
   using S = GemmSmem<TB, GS>;
   auto* k_up = &moe_gemm_kernel<TB, GS, true>;
   auto* k_down = &moe_gemm_kernel<TB, GS, false>;
@@ -607,18 +665,16 @@ void launch_gemms(GemmArgs up, GemmArgs down, int64_t n1, int64_t n2, int64_t ma
     C10_CUDA_CHECK(cudaFuncSetAttribute(k_up, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     C10_CUDA_CHECK(cudaFuncSetAttribute(k_down, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
   }
-  k_up<<<dim3(unsigned(n1 * k_splits), unsigned(max_blocks)), kThreads, S::kBytes, stream>>>(up);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  k_down<<<dim3(unsigned(n2), unsigned(max_blocks)), kThreads, S::kBytes, stream>>>(down);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(k_up, dim3(unsigned(n1 * k_splits), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, up);
+  launch(k_down, dim3(unsigned(n2), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, down);
 }
 
 template <int TB>
 void dispatch_group(int64_t gs, GemmArgs up, GemmArgs down, int64_t n1, int64_t n2, int64_t B, int64_t S,
-                    cudaStream_t stream) {
-  if (gs == 32) launch_gemms<TB, 32>(up, down, n1, n2, B, S, stream);
-  else if (gs == 64) launch_gemms<TB, 64>(up, down, n1, n2, B, S, stream);
-  else launch_gemms<TB, 128>(up, down, n1, n2, B, S, stream);
+                    cudaStream_t stream, bool pdl) {
+  if (gs == 32) launch_gemms<TB, 32>(up, down, n1, n2, B, S, stream, pdl);
+  else if (gs == 64) launch_gemms<TB, 64>(up, down, n1, n2, B, S, stream, pdl);
+  else launch_gemms<TB, 128>(up, down, n1, n2, B, S, stream, pdl);
 }
 
 struct MoeDims {
@@ -696,6 +752,7 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const IdT* ids = topk_ids.data_ptr<IdT>();
   const int64_t n1 = 2 * d.I / kCtaN, n2 = d.H / kCtaN;
+  const bool pdl = pdl_enabled();
 
   moe_align_kernel<IdT><<<1, kAlignThreads, 0, stream>>>(
       ids, emap, int(d.num_global), int(w.M), int(d.E), int(block_size), int(w.B),
@@ -730,18 +787,16 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   down.N = int(d.H);
   down.k_splits = 1;
   switch (block_size) {
-    case 8: dispatch_group<8>(group_size, up, down, n1, n2, w.B, k_splits, stream); break;
-    case 16: dispatch_group<16>(group_size, up, down, n1, n2, w.B, k_splits, stream); break;
-    case 32: dispatch_group<32>(group_size, up, down, n1, n2, w.B, k_splits, stream); break;
-    default: dispatch_group<64>(group_size, up, down, n1, n2, w.B, k_splits, stream); break;
+    case 8: dispatch_group<8>(group_size, up, down, n1, n2, w.B, k_splits, stream, pdl); break;
+    case 16: dispatch_group<16>(group_size, up, down, n1, n2, w.B, k_splits, stream, pdl); break;
+    case 32: dispatch_group<32>(group_size, up, down, n1, n2, w.B, k_splits, stream, pdl); break;
+    default: dispatch_group<64>(group_size, up, down, n1, n2, w.B, k_splits, stream, pdl); break;
   }
 
   const int64_t n = d.T * (d.H / 8);
   const int blocks = int(std::min<int64_t>((n + 255) / 256, 65536));
-  moe_combine_kernel<IdT><<<blocks, 256, 0, stream>>>(reinterpret_cast<const bf16*>(ws + w.y), ids, emap,
-                                                      int(d.num_global), int(d.E), d.T, int(d.topk), int(d.H),
-                                                      reinterpret_cast<bf16*>(out.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(&moe_combine_kernel<IdT>, dim3(blocks), dim3(256), 0, stream, pdl, reinterpret_cast<const bf16*>(ws + w.y),
+         ids, emap, int(d.num_global), int(d.E), d.T, int(d.topk), int(d.H), reinterpret_cast<bf16*>(out.data_ptr()));
 }
 
 void moe_forward(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& w13_s,

@@ -17,7 +17,8 @@
 //  2. row kernel, one block of 1024 threads per row: combines the S (max, sum) pairs into the
 //     row's log-sum-exp (the block holding the row max contributes exp(x - max) terms exactly
 //     as torch.log_softmax computes them), radix-selects the top k of the S*k candidates (16
-//     per thread, in registers), bitonic-sorts the k survivors in shared memory, writes them.
+//     per thread, in registers), bitonic-sorts the k survivors (one per thread; shuffles for
+//     strides < 32, shared memory above) and writes them.
 // Bound: one read of the logits (R*L*V*2 bytes in bf16: 4.9 MB at R=1, L=15, V=163840, ~1.2 us
 // at the H200's HBM rate); at small R the chain of dependent steps (load, select digits, the
 // row kernel's digits and bitonic stages) bounds the latency instead.
@@ -52,6 +53,7 @@ constexpr int kMaxCandidates = kRowThreads * kRowItems;  // S*k per row
 constexpr int kRowIdBits = 18;          // index in the row < kMaxVocab
 static_assert((1 << kChunkIdBits) >= kMaxChunk, "chunk index must fit its key bits");
 static_assert((1 << kRowIdBits) >= kMaxVocab, "row index must fit its key bits");
+static_assert(kRowThreads >= kMaxK, "the row sort holds one key per thread");
 static_assert(kBins % kChunkThreads == 0 && kBins % kRowThreads == 0, "bins split evenly over threads");
 
 // bfloat16 logits, read as raw 16-bit patterns.
@@ -102,6 +104,7 @@ __device__ __forceinline__ uint64_t shr64(uint64_t x, int s) { return s >= 64 ? 
 // Adds one to hist[bin] for every active lane; lanes with equal bins add once (peaked logits put
 // most of a warp into one bin).  All 32 lanes must call it.
 __device__ __forceinline__ void hist_add(uint32_t* hist, bool active, uint32_t bin) {
+  if (__ballot_sync(0xFFFFFFFFu, active) == 0) return;  // later digits: most warps match nothing
   const uint32_t peers = __match_any_sync(0xFFFFFFFFu, active ? bin : 0xFFFFFFFFu);
   if (active && __ffs(peers) - 1 == int(threadIdx.x & 31)) atomicAdd(&hist[bin], uint32_t(__popc(peers)));
 }
@@ -241,24 +244,29 @@ __device__ void radix_select(SelectShared& sh, KeyAt key_at, int iters, int bits
   shift_out = shift;
 }
 
-// Sorts a[0, n) descending; n is a power of two; ends with a __syncthreads.
-template <int THREADS>
-__device__ void bitonic_sort_desc(uint64_t* a, int n) {
+// Bitonic sort, descending, of n <= 1024 keys held one per thread of a 1024-thread block
+// (thread t holds element t; threads t >= n hold anything and do not disturb [0, n)).  Strides
+// below 32 exchange through shuffles, larger ones through buf[1024]; returns thread t's sorted key.
+__device__ uint64_t bitonic_sort_desc_1024(uint64_t v, uint64_t* buf, int n) {
+  const int t = threadIdx.x;
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < n / 2; i += THREADS) {
-        const int lo = 2 * i - (i & (stride - 1));
-        const int hi = lo + stride;
-        const uint64_t x = a[lo], y = a[hi];
-        const bool desc = (lo & size) == 0;
-        if (desc ? x < y : x > y) {
-          a[lo] = y;
-          a[hi] = x;
-        }
+      uint64_t other;
+      if (stride >= 32) {
+        buf[t] = v;
+        __syncthreads();
+        other = buf[t ^ stride];
+        __syncthreads();
+      } else {
+        other = __shfl_xor_sync(0xFFFFFFFFu, v, stride);
       }
-      __syncthreads();
+      // In a descending run the lower index of a pair keeps the larger key.
+      const bool desc = (t & size) == 0;
+      const bool lower = (t & stride) == 0;
+      v = (lower == desc) ? (v > other ? v : other) : (v < other ? v : other);
     }
   }
+  return v;
 }
 
 __device__ __forceinline__ int next_pow2(int k) {
@@ -368,12 +376,12 @@ topk_row_kernel(const uint64_t* __restrict__ cand, const float2* __restrict__ st
                 int64_t vocab_start, bool partial, float* __restrict__ out_val, int64_t* __restrict__ out_id,
                 float* __restrict__ out_lse) {
   __shared__ SelectShared sh;
-  __shared__ uint64_t sorted[kMaxK];
+  __shared__ uint64_t sorted[kRowThreads];
   __shared__ float row_max, row_logsum;
   const int64_t row = blockIdx.x;
   const int ncand = S * k;
   const int n2 = next_pow2(k);
-  for (int i = threadIdx.x; i < n2; i += kRowThreads) sorted[i] = 0;
+  sorted[threadIdx.x] = 0;
   if (threadIdx.x < 32) {  // S <= 32 chunk statistics -> row max and sum(exp(x - max))
     const int lane = threadIdx.x;
     const float2 st = lane < S ? stats[row * S + lane] : make_float2(-INFINITY, 0.0f);
@@ -411,10 +419,10 @@ topk_row_kernel(const uint64_t* __restrict__ cand, const float2* __restrict__ st
     if (take && pos < k) sorted[pos] = keys[j];
   }
   __syncthreads();
-  bitonic_sort_desc<kRowThreads>(sorted, n2);
+  const uint64_t key = bitonic_sort_desc_1024(sorted[threadIdx.x], sorted, n2);
   const float m = row_max, ls = row_logsum;
-  for (int i = threadIdx.x; i < k; i += kRowThreads) {
-    const uint64_t key = sorted[i];
+  if (int(threadIdx.x) < k) {
+    const int i = threadIdx.x;
     const int id = (1 << kRowIdBits) - 1 - int(key & ((1u << kRowIdBits) - 1u));
     const float x = Tr::to_float(Tr::from_orderable(uint32_t(key >> kRowIdBits)));
     const int64_t o = row * k + i;
@@ -428,12 +436,12 @@ __global__ void __launch_bounds__(kRowThreads, 1)
 topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ ids, const float* __restrict__ lse,
                   int P, int64_t rows, int kin, int k, float* __restrict__ out_lp, int64_t* __restrict__ out_id) {
   __shared__ SelectShared sh;
-  __shared__ uint64_t sorted[kMaxK];
+  __shared__ uint64_t sorted[kRowThreads];
   __shared__ float row_lse;
   const int64_t row = blockIdx.x;
   const int n = P * kin;
   const int n2 = next_pow2(k);
-  for (int i = threadIdx.x; i < n2; i += kRowThreads) sorted[i] = 0;
+  sorted[threadIdx.x] = 0;
   if (threadIdx.x < 32) {  // logsumexp over the parts, as torch.logsumexp (an infinite max counts as 0)
     const int lane = threadIdx.x;
     float m = -INFINITY;
@@ -471,10 +479,10 @@ topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ 
     if (take && pos < k) sorted[pos] = key;
   }
   __syncthreads();
-  bitonic_sort_desc<kRowThreads>(sorted, n2);
+  const uint64_t key = bitonic_sort_desc_1024(sorted[threadIdx.x], sorted, n2);
   const float lse_all = row_lse;
-  for (int i = threadIdx.x; i < k; i += kRowThreads) {
-    const uint64_t key = sorted[i];
+  if (int(threadIdx.x) < k) {
+    const int i = threadIdx.x;
     const int64_t o = row * k + i;
     out_lp[o] = __uint_as_float(F32::from_orderable(uint32_t(key >> 32))) - lse_all;
     out_id[o] = int64_t(0xFFFFFFFFu - uint32_t(key));
@@ -519,6 +527,7 @@ void launch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool 
   const int64_t rows = logits.size(0) * logits.size(1);
   const int64_t V = logits.size(2);
   if (rows == 0) return;
+  TORCH_CHECK(rows <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
   int S, C;
   plan_chunks(V, k, S, C);
   auto opts = logits.options();
@@ -604,6 +613,7 @@ std::tuple<at::Tensor, at::Tensor> draft_topk_merge_cuda(const at::Tensor& value
   at::Tensor logprobs = at::empty({R, L, k}, opts);
   at::Tensor ids = at::empty({R, L, k}, opts.dtype(at::kLong));
   const int64_t rows = R * L;
+  TORCH_CHECK(rows <= INT32_MAX, op, ": R * L = ", rows, " rows is too many for one launch");
   if (rows > 0) {
     topk_merge_kernel<<<unsigned(rows), kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         values.data_ptr<float>(), token_ids.data_ptr<int64_t>(), lse.data_ptr<float>(), int(P), rows, int(kin),
