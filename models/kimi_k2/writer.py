@@ -8,9 +8,9 @@
   (compressed-tensors, ``pack-quantized``, int4 symmetric group-32 weights on every routed
   expert, the rest listed in ``ignore``); sizes scaled down by :data:`SMALL_SIZES` unless
   overridden;
-* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named
-  ``model-000NN-of-0000MM.safetensors`` like the K2 repositories, split by bytes so that a
-  layer's experts straddle shard boundaries;
+* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named like
+  the K2 repositories' (``model-00001-of-000062.safetensors``: five digits, then six), split
+  by bytes so that a layer's experts straddle shard boundaries;
 * INT4 routed experts packed as compressed-tensors packs them (eight 4-bit values per int32
   along the input dimension, lowest nibble first, each stored as q + 8; bf16 scales per 32
   inputs; ``weight_shape`` = [out, in]); every other tensor bf16, ``e_score_correction_bias``
