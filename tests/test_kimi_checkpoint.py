@@ -479,9 +479,9 @@ def test_index_naming_a_tensor_its_shard_lacks_is_refused(int4_dir):
     ("model.layers.1.self_attn.q_b_proj.weight", lambda t: t[:-1],
      r"wrong shape for model\.layers\.1\.self_attn\.q_b_proj\.weight.*expected \[96, 32\]"),
     ("model.layers.2.mlp.experts.0.down_proj.weight_packed", lambda t: t[:, :4],
-     r"wrong shape for model\.layers\.2\.mlp\.experts\.0\.down_proj\.weight_packed.*\[64, 4\], expected \[64, 8\]"),
-    ("model.layers.2.mlp.experts.7.down_proj.weight_shape", lambda t: torch.tensor([64, 32], dtype=torch.int32),
-     r"wrong value for model\.layers\.2\.mlp\.experts\.7\.down_proj\.weight_shape: \[64, 32\], expected \[64, 64\]"),
+     r"wrong shape for model\.layers\.2\.mlp\.experts\.0\.down_proj\.weight_packed.*\[128, 4\], expected \[128, 8\]"),
+    ("model.layers.2.mlp.experts.7.down_proj.weight_shape", lambda t: torch.tensor([128, 32], dtype=torch.int32),
+     r"wrong value for model\.layers\.2\.mlp\.experts\.7\.down_proj\.weight_shape: \[128, 32\], expected \[128, 64\]"),
 ])
 def test_wrong_dtype_shape_or_value_is_named(int4_dir, name, change, message):
     _rewrite(int4_dir, name, change)

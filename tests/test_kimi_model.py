@@ -518,6 +518,7 @@ def test_decode_step_compiles_fullgraph_and_matches_eager():
     tokens = torch.randint(0, VOCAB, (2, 4), generator=g)
     visible = torch.ones(2, 1, 1, dtype=torch.bool)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         for t in range(4):

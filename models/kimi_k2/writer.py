@@ -8,9 +8,9 @@
   (compressed-tensors, ``pack-quantized``, int4 symmetric group-32 weights on every routed
   expert, the rest listed in ``ignore``); sizes scaled down by :data:`SMALL_SIZES` unless
   overridden;
-* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named
-  ``model-000NN-of-0000MM.safetensors`` like the K2 repositories, split by bytes so that a
-  layer's experts straddle shard boundaries;
+* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named like
+  the K2 repositories' (``model-00001-of-000062.safetensors``: five digits, then six), split
+  by bytes so that a layer's experts straddle shard boundaries;
 * INT4 routed experts packed as compressed-tensors packs them (eight 4-bit values per int32
   along the input dimension, lowest nibble first, each stored as q + 8; bf16 scales per 32
   inputs; ``weight_shape`` = [out, in]); every other tensor bf16, ``e_score_correction_bias``
@@ -152,10 +152,10 @@ K25_TEXT_CHANGES = {
 }
 K25_IGNORE_EXTRA = ["re:.*vision_tower.*", "re:.*mm_projector.*"]
 
-# Scaled-down sizes for tests.  The INT4 kernel layout tiles experts by 16 output channels x 64
-# inputs, so hidden_size and moe_intermediate_size stay multiples of 64.
+# Scaled-down sizes for tests.  The INT4 kernels need hidden_size a multiple of 128 (channels per
+# CTA) and moe_intermediate_size a multiple of 64 (k per weight tile), see ops/moe.py.
 SMALL_SIZES = {
-    "vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "hidden_size": 64, "intermediate_size": 128,
+    "vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "hidden_size": 128, "intermediate_size": 128,
     "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "n_routed_experts": 16, "num_experts_per_tok": 4,
