@@ -169,11 +169,15 @@ def test_config_reads_k25_wrapper_text_core():
     assert "tensor_prefix" not in c.to_dict()
 
 
-def test_config_refuses_other_routing():
+def test_config_refuses_math_it_does_not_implement():
     with pytest.raises(ValueError, match="topk_method='greedy'"):
         KimiK2Config.from_dict(k2_config_dict(topk_method="greedy"))
     with pytest.raises(ValueError, match="scoring_func='softmax'"):
         KimiK2Config.from_dict(k2_config_dict(scoring_func="softmax"))
+    with pytest.raises(ValueError, match="moe_layer_freq=2"):
+        KimiK2Config.from_dict(k2_config_dict(moe_layer_freq=2))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        KimiK2Config.from_dict(k2_config_dict(hidden_act="gelu"))
 
 
 def test_auto_classes_pick_ours_without_trust_remote_code(tmp_path):
