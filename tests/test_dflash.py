@@ -14,7 +14,7 @@ from torch_kdtree.models.dflash import (DFlashConfig, DFlashDraftModel, default_
                                         write_random_drafter)
 from torch_kdtree.ops import set_value_checks, value_checks
 
-from conftest import requires_cuda
+from .conftest import requires_cuda
 
 V, H = 256, 64
 
@@ -41,13 +41,19 @@ def yarn_fields():
 # --------------------------------------------------------------------------------------------
 
 def transformers_rope(config: DFlashConfig):
-    """inv_freq and amplitude from transformers' own Qwen3 rotary embedding (an independent oracle)."""
+    """inv_freq and amplitude as transformers computes them for a Qwen3 config (an independent
+    oracle): its default-RoPE expression, and its own YaRN initialiser."""
     from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     d = config.to_dict()
     d.pop("architectures"), d.pop("auto_map")
-    rope = Qwen3RotaryEmbedding(Qwen3Config(**d))
-    return rope.inv_freq.double(), float(rope.attention_scaling)
+    qwen3 = Qwen3Config(**d)
+    rope_type = qwen3.rope_parameters["rope_type"]
+    if rope_type == "default":
+        base, dim = qwen3.rope_parameters["rope_theta"], qwen3.head_dim
+        return (1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).double(), 1.0
+    inv_freq, amplitude = ROPE_INIT_FUNCTIONS[rope_type](qwen3)
+    return inv_freq.double(), float(amplitude)
 
 
 def rms(x, w, eps):
@@ -455,8 +461,15 @@ def test_config_format_variants():
         cfg = DFlashConfig.from_dict(base)
         cfg.rope_parameters["attention_factor"] = 1.4158883083359672
         assert DFlashDraftModel(cfg).rope_amplitude == 1.4158883083359672
-    # Round trip through the writer's format.
+    # Round trips through the writer's format, an amplitude override included.
     assert DFlashConfig.from_dict(DFlashConfig.from_dict(k26).to_dict()) == DFlashConfig.from_dict(k26)
+    for fields in ({}, yarn_fields()):
+        cfg = random_drafter(**fields).config
+        cfg.rope_parameters["attention_factor"] = 1.25
+        again = DFlashConfig.from_dict(cfg.to_dict())
+        assert again == cfg
+        with torch.device("meta"):
+            assert DFlashDraftModel(again).rope_amplitude == 1.25
 
 
 BAD_CONFIGS = [

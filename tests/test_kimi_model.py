@@ -11,12 +11,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from conftest import requires_cuda
+from conftest import HAS_CUDA
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
 from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts
 from torch_kdtree.ops import ddtree_build, int4_dequantize
 
 VOCAB = 128
+# The GPU decode path runs mla_tree_attention's CUDA kernel (branch mla); without it there is nothing to capture.
+requires_mla_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_tree_attention", "CUDA")),
+    reason="needs a CUDA device and the kdtree::mla_tree_attention CUDA kernel")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -211,6 +215,16 @@ def test_taps_are_the_outputs_of_the_chosen_layers():
     assert rel_err(model.lm_head(out.last_hidden_state), logits) <= 1e-6
 
 
+def test_transformers_generate_greedy_equals_an_argmax_loop():
+    model = make_model(26)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(27))
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    seq = ids
+    for _ in range(4):
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, seq)
+
+
 # --------------------------------------------------------------------------------------------
 # the cache: prefill, absorbed decode, tree verify
 # --------------------------------------------------------------------------------------------
@@ -369,10 +383,13 @@ def test_dense_expert_paths_agree():
         assert rel_err(grouped.double(), oracle) <= 1e-5
 
 
-def test_router_stays_fp32_when_the_model_is_cast():
-    model = make_model(19).to(torch.bfloat16)
+def test_router_and_rope_frequencies_stay_fp32_when_the_model_is_cast():
+    model = make_model(19)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+    model = model.to(torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
-    assert gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
 
 
@@ -406,9 +423,12 @@ def test_decode_step_compiles_fullgraph_and_matches_eager():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step
 
 
-@requires_cuda
+GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the kernel's smallest head count
+
+
+@requires_mla_cuda
 def test_decode_step_cuda_graph_replay_matches_eager():
-    model = make_model(22).to("cuda", torch.bfloat16)
+    model = make_model(22, **GPU_HEADS).to("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(23)
     prompt = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
     tokens = torch.randint(0, VOCAB, (2, 5), generator=g).cuda()
@@ -435,14 +455,14 @@ def test_decode_step_cuda_graph_replay_matches_eager():
             static_tok.copy_(tokens[:, t : t + 1])
             graph.replay()
             want = decode_step(model, eager_cache, tokens[:, t : t + 1], eager_cache.lengths.long()[:, None], visible)
-            assert rel_err(static_logits.float(), want.float()) <= 2e-2, t
+            assert rel_err(static_logits.float(), want.float()) <= 1e-2, t  # the same kernels, replayed
         torch.cuda.synchronize()
         assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [11, 11]
 
 
-@requires_cuda
+@requires_mla_cuda
 def test_decode_step_reduce_overhead_uses_cuda_graphs():
-    model = make_model(24).to("cuda", torch.bfloat16)
+    model = make_model(24, **GPU_HEADS).to("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(25)
     prompt = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
     tokens = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
@@ -469,7 +489,7 @@ def test_decode_step_reduce_overhead_uses_cuda_graphs():
             tok = tokens[:, t : t + 1].clone()
             got = step(model, compiled_cache, tok, compiled_cache.lengths.long()[:, None], visible).clone()
             want = decode_step(model, eager_cache, tok, eager_cache.lengths.long()[:, None], visible)
-            assert rel_err(got.float(), want.float()) <= 2e-2, t
+            assert rel_err(got.float(), want.float()) <= 5e-2, t  # inductor's fusions vs eager, bf16
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert replays >= 3, f"CUDA graphs replayed {replays} times in 6 steps"
     assert compiled_cache.lengths.tolist() == [12, 12]

@@ -120,6 +120,8 @@ def _read_rope(d: dict) -> dict:
         raise ValueError(f"DFlash: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
                          "(the drafter rotates the full head_dim)")
     rope.pop("partial_rotary_factor", None)
+    if rope.get("attention_factor") is not None:  # transformers ignores it for default RoPE; we honour it
+        out["attention_factor"] = float(rope.pop("attention_factor"))
     if rope_type == "default":
         return out
     if rope_type == "deepseek_yarn":
@@ -264,7 +266,7 @@ class DFlashConfig:
         for key in ("intermediate_size", "vocab_size", "num_target_layers"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
-        if rope["rope_type"] != "default":
+        if rope["rope_type"] != "default" or len(rope) > 1:
             d["rope_scaling"] = rope
         if self.dtype is not None:
             d["dtype"] = self.dtype

@@ -33,6 +33,7 @@ from torch_kdtree.ops import mla_tree_attention
 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
+from .fp32 import KeepFp32
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
@@ -77,8 +78,10 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position: i
     return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
 
 
-class KimiK2RotaryEmbedding(nn.Module):
-    """cos/sin (fp32, [..., rope_dim / 2]) of the given positions."""
+class KimiK2RotaryEmbedding(KeepFp32):
+    """cos/sin (fp32, [..., rope_dim / 2]) of the given positions; ``inv_freq`` stays fp32."""
+
+    fp32_names = ("inv_freq",)
 
     def __init__(self, config: KimiK2Config):
         super().__init__()

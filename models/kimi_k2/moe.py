@@ -13,6 +13,8 @@ from torch import nn
 
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights
 
+from .fp32 import KeepFp32
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Above this many gathered weight elements (T * k * 3 * I * H) the eager dense path loops over
 # experts instead of gathering one weight copy per (token, slot).
@@ -32,7 +34,7 @@ class KimiK2MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class KimiK2Router(nn.Module):
+class KimiK2Router(KeepFp32):
     """noaux_tc routing (kimi_k2.md): sigmoid scores in fp32; ``e_score_correction_bias`` only
     selects; optional group-limited choice (``n_group`` groups scored by their top-2, the best
     ``topk_group`` kept); weights renormalised over the top-k and scaled.
@@ -40,6 +42,8 @@ class KimiK2Router(nn.Module):
     ``weight`` [E, H] and ``e_score_correction_bias`` [E] stay fp32 whatever dtype the model is
     cast to: a bf16 bias would flip near-tied expert choices.
     """
+
+    fp32_names = ("weight", "e_score_correction_bias")
 
     def __init__(self, config):
         super().__init__()
@@ -51,19 +55,6 @@ class KimiK2Router(nn.Module):
         self.topk_group = config.topk_group or 1
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
-
-    def _apply(self, fn, recurse=True):
-        kept = {"weight": self.weight.data, "e_score_correction_bias": self.e_score_correction_bias}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = getattr(self, name)
-            if old.dtype == torch.float32 and new.dtype != torch.float32 and new.is_floating_point():
-                restored = old.to(device=new.device)  # follow the move, undo the cast
-                if name in self._parameters:
-                    self._parameters[name].data = restored
-                else:
-                    self._buffers[name] = restored
-        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k])."""
