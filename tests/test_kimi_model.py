@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, Dee
 from conftest import HAS_CUDA
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
 from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts
-from torch_kdtree.ops import ddtree_build, int4_dequantize
+from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
 
 VOCAB = 128
 # The GPU decode path runs mla_tree_attention's CUDA kernel (branch mla); without it there is nothing to capture.
@@ -113,8 +113,11 @@ def decode_one_by_one(model, cache, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def prefilled_cache(model, prompts: list[torch.Tensor], max_tokens: int = 64, page_size: int = 4) -> KimiK2Cache:
-    """A cache holding each prompt committed (right-padded prefill with input_lengths)."""
+    """A cache holding each prompt committed (right-padded prefill with input_lengths), its pages
+    handed out in a shuffled order so the block table really matters."""
     cache = KimiK2Cache.for_model(model, len(prompts), max_tokens, page_size=page_size, dtype=torch.float32)
+    shuffled = torch.randperm(cache.kv.shape[1], generator=torch.Generator().manual_seed(len(prompts)))
+    cache.block_table.copy_(shuffled.view_as(cache.block_table))
     lengths = torch.tensor([len(p) for p in prompts])
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
     for r, p in enumerate(prompts):
@@ -310,6 +313,47 @@ def test_branching_tree_equals_decoding_each_root_to_leaf_path():
             assert rel_err(logits[r, path], expected) <= 1e-5, (r, path)
 
 
+def test_tree_padding_nodes_leave_the_real_nodes_unchanged():
+    model = make_model(28)
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    logprobs = torch.randn(2, 1, 2, generator=g).log_softmax(-1).sort(dim=-1, descending=True).values
+    tree = ddtree_build(logprobs, torch.randint(0, VOCAB, (2, 1, 2), generator=g), torch.tensor([3, 5]), 4)
+    assert (tree.tokens[:, 3:] == -1).all()  # only root + 2 children exist: two padding rows
+    padded_cache, plain_cache = prefilled_cache(model, prompts), prefilled_cache(model, prompts)
+    positions = padded_cache.lengths.long()[:, None] + tree.depths.long()
+    padded = model(tree.tokens, positions, padded_cache, tree.visible).logits
+    plain = model(tree.tokens[:, :3], positions[:, :3], plain_cache, tree.visible[:, :3, :3].contiguous()).logits
+    assert rel_err(padded[:, :3], plain) <= 1e-6
+
+
+def test_kv_commit_after_a_tree_pass_continues_like_sequential_decode():
+    model = make_model(30)
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 3)]
+    parents = [-1, 0, 0, 1, 2, 2]  # two branches; accept 0 -> 2 -> 5 in request 0, 0 -> 1 -> 3 in request 1
+    N = len(parents)
+    visible = torch.zeros(N, N, dtype=torch.bool)
+    depth = torch.zeros(N, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i], depth[i] = visible[p], depth[p] + 1
+        visible[i, i] = True
+    tokens = torch.randint(0, VOCAB, (2, N), generator=g)
+    accepted = torch.tensor([[0, 2, 5, -1, -1, -1], [0, 1, 3, -1, -1, -1]], dtype=torch.int32)  # [R, N] as tree_accept
+    nxt = torch.randint(0, VOCAB, (2, 1), generator=g)
+    cache = prefilled_cache(model, prompts)
+    model(tokens, cache.lengths.long()[:, None] + depth, cache, visible.expand(2, N, N))
+    kv_commit(cache.kv, cache.block_table, cache.lengths, accepted, torch.tensor([3, 3], dtype=torch.int32))
+    cache.advance(3)
+    after_commit = decode_one_by_one(model, cache, nxt)
+    for r in range(2):
+        alone = prefilled_cache(model, [prompts[r]])
+        path = tokens[r, accepted[r, :3].long()]
+        expected = decode_one_by_one(model, alone, torch.cat([path, nxt[r]])[None])[0, -1]
+        assert rel_err(after_commit[r, 0], expected) <= 1e-5
+
+
 def test_cache_overflow_raises_instead_of_writing_out_of_bounds():
     model = make_model(15)
     cache = KimiK2Cache.for_model(model, 2, 8, page_size=4, dtype=torch.float32)
@@ -381,6 +425,55 @@ def test_dense_expert_paths_agree():
         except (RuntimeError, NotImplementedError) as e:  # grouped_mm without a CPU kernel in this torch
             pytest.skip(f"grouped_mm unavailable on CPU here: {e}")
         assert rel_err(grouped.double(), oracle) <= 1e-5
+
+
+def _rows(linear, lo, hi, dim=0):
+    part = copy.deepcopy(linear)
+    part.weight = torch.nn.Parameter(linear.weight.narrow(dim, lo, hi - lo).clone())
+    return part
+
+
+def test_heads_and_expert_slices_sharded_from_outside_sum_to_the_whole():
+    """Tensor parallelism applied from outside: each rank holds a slice of the heads / of the
+    experts' intermediate size, the modules read their sizes from the weights, and the ranks'
+    partial outputs add up to the unsharded module's (the all-reduce TP would do)."""
+    from torch_kdtree.models.kimi_k2.modeling import _Tree
+
+    model = make_model(32)
+    layer = model.model.layers[1]
+    attn, ranks = layer.self_attn, 2
+    heads, qk, kv, v = 4, 32 + 64, 32 + 32, 32
+    per = heads // ranks
+    shards = []
+    for r in range(ranks):
+        a = copy.deepcopy(attn)
+        a.q_b_proj = _rows(attn.q_b_proj, r * per * qk, (r + 1) * per * qk)
+        a.kv_b_proj = _rows(attn.kv_b_proj, r * per * kv, (r + 1) * per * kv)
+        a.o_proj = _rows(attn.o_proj, r * per * v, (r + 1) * per * v, dim=1)
+        shards.append(a)
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(2, 6, 64, generator=g)
+    positions = torch.arange(6)[None].expand(2, -1) + 7
+    cos, sin = model.model.rotary_emb(positions)
+    prefill, _ = model.model._prefill_batch(torch.zeros(2, 6, dtype=torch.long), positions, None, None)
+    whole = attn(x, cos, sin, prefill, 1)
+    assert rel_err(sum(a(x, cos, sin, prefill, 1) for a in shards), whole) <= 1e-5
+    cache = prefilled_cache(model, [torch.arange(7), torch.arange(7)])
+    tree = _Tree(cache, cache.slots(6), torch.tril(torch.ones(6, 6, dtype=torch.bool)).expand(2, 6, 6).contiguous())
+    whole = attn(x, cos, sin, tree, 1)
+    assert rel_err(sum(a(x, cos, sin, tree, 1) for a in shards), whole) <= 1e-5
+
+    experts = layer.mlp.experts
+    tokens = torch.randn(5, 64, generator=g)
+    ids, weights = layer.mlp.gate(tokens)
+    I = experts.gate_proj.shape[1]
+    parts = []
+    for r in range(ranks):
+        lo, hi = r * I // ranks, (r + 1) * I // ranks
+        e = KimiK2Experts(1, 1, 1)
+        e.set_dense(experts.gate_proj[:, lo:hi], experts.up_proj[:, lo:hi], experts.down_proj[:, :, lo:hi])
+        parts.append(e(tokens, ids, weights))
+    assert rel_err(sum(parts), experts(tokens, ids, weights)) <= 1e-5
 
 
 def test_router_and_rope_frequencies_stay_fp32_when_the_model_is_cast():

@@ -307,6 +307,8 @@ class KimiK2Model(KimiK2PreTrainedModel):
         Tree verify / decode (``visible`` bool [R, N, N] given; ``cache`` and ``positions``
         [R, N] required, positions = committed length + depth): node i is written at
         ``cache.lengths[r] + i`` and attends to the committed prefix and its visible nodes.
+        Padding nodes (token -1, seeing only themselves) are computed on token 0; their outputs
+        mean nothing.
 
         Prefill (``visible`` None): causal over each request's committed prefix (with a cache)
         and its new tokens; ``input_lengths`` int [R] marks right padding (default: all T
@@ -326,6 +328,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
                                  f"{visible.dtype} {tuple(visible.shape)}")
             cache.check_room(T)
             batch = _Tree(cache, cache.slots(T), visible.contiguous())
+            input_ids = input_ids.clamp(min=0)  # ddtree_build pads with token -1; padding rows see only themselves
         else:
             batch, positions = self._prefill_batch(input_ids, positions, cache, input_lengths)
         if tuple(positions.shape) != (R, T):
