@@ -31,6 +31,8 @@ from transformers.utils import ModelOutput
 
 from torch_kdtree.ops import mla_tree_attention
 
+from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
+
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
@@ -379,7 +381,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
         return _Prefill(cache, slots, valid if cache is not None else None, key_len, mask[:, None]), positions
 
 
-class KimiK2ForCausalLM(KimiK2PreTrainedModel, GenerationMixin):
+class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: KimiK2Config):
