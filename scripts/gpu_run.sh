@@ -17,13 +17,14 @@ TESTS=${1:-}
 BENCH=${2:-}
 SAN=${3:-}
 if [ -n "$TESTS" ]; then
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfE --timeout 240 > "$OUT/tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfE --timeout 240 -n ${XDIST:-4} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30
 fi
 for s in $SAN; do
   for tool in memcheck racecheck; do
-    log="$OUT/san_${tool}_$(basename $s .py).log"
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$s" > "$log" 2>&1
+    log="$OUT/sanitizer_$tool.log"
+    echo "=== $s" >> "$log"
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$s" >> "$log" 2>&1
     echo "sanitizer $tool $s: rc=$? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
   done
 done
