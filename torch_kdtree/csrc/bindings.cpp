@@ -26,8 +26,28 @@ TORCH_LIBRARY(kdtree, m) {
         " -> (Tensor logprobs, Tensor token_ids)");
 
   // ---- MLA tree attention (ops/mla.py, csrc/mla.cu) ----
+  // Absorbed-MLA attention of N tree nodes x H heads over one layer's paged latent cache
+  // (d_k 576 = 512 latent + 64 rope, d_v 512): node i sees positions [0, cache_lens[r]) and
+  // tree node j (stored at cache_lens[r] + j) iff visible[r, i, j].
+  m.def("mla_tree_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale) -> Tensor");
+  // Same, into caller-owned out [R, N, H, 512] and optionally lse float32 [R, N, H] (natural log).
+  m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
+  // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the
+  // kernel's fragment layout: qweight int32 [E, N/16, K/64, 128], scales bf16 [E, N/16, K/group, 16].
+  m.def("int4_repack(Tensor packed, Tensor scale, int group_size) -> (Tensor qweight, Tensor scales)");
+  // Routed-expert MLP, out-variant: everything the kernels need lives in the caller's
+  // workspace (uint8, size from ops.moe.int4_moe_plan), so it can sit in a CUDA graph.
+  m.def("int4_moe_out(Tensor x, Tensor w13_qweight, Tensor w13_scales, Tensor w2_qweight,"
+        " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
+        " int block_size, int k_splits, Tensor(a!) workspace, Tensor(b!) out) -> ()");
+  // Functional form: allocates the workspace (size depends on shapes only) and the output.
+  m.def("int4_moe(Tensor x, Tensor w13_qweight, Tensor w13_scales, Tensor w2_qweight,"
+        " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
+        " int block_size, int k_splits) -> Tensor");
 
 }
 

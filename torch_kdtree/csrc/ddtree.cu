@@ -2,13 +2,14 @@
 // restated in torch_kdtree/ops/ddtree.py, whose pure-torch references these must equal bit for bit).
 //
 // ddtree_build: one block per request.  Warp 0 runs the best-first loop; the other warps clear
-// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (one pop depends on the
+// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (each pop depends on the
 // last), so the candidate set lives mostly in registers: a sorted list of up to 32 keys, one
-// per lane, where a pop is one shuffle and an insert is one ballot and one shuffle.  Keys that
-// do not fit go to an unsorted overflow pool in shared memory whose best key is tracked; a pop
-// takes min(list head, pool best), and only a pop from the pool rescans it (warp-parallel).
-// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word =
-// parent << 10 | rank, which is exactly the reference's order (score desc, parent asc, rank asc).
+// per lane.  A step pops the head and merges the (at most two) new candidates, its sibling and
+// first child, with two ballots and a few shuffles.  Keys pushed past lane 31 go to an unsorted
+// overflow pool in shared memory whose best key is tracked; a pop takes min(list head, pool
+// best), and only a pop from the pool rescans it (warp-parallel, 32-bit redux).
+// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word starts with
+// parent, then rank, which is exactly the reference's order (score desc, parent asc, rank asc).
 //
 // tree_accept: one block per request; every node tests itself against its parent's target
 // token in parallel (children of one node carry distinct tokens, ties go to the lower index),
@@ -43,8 +44,10 @@ __device__ __forceinline__ uint32_t orderable(float f) {
 __device__ __forceinline__ float from_orderable(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
-__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank) {
-  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 10) | uint32_t(rank);
+// Low word: parent (11 bits) | rank (10 bits) | depth (6 bits).  Depth is a function of the
+// parent, so it never decides an order; it rides along to save a shared-memory load.
+__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank, int depth) {
+  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 16) | (uint32_t(rank) << 6) | uint32_t(depth);
 }
 __device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
   return __shfl_sync(0xffffffffu, v, src);
@@ -91,8 +94,8 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
     auto lp_at = [&](int d, int rank) -> float {
       return rank < kc ? sh.lp[d * kc + rank] : __ldg(lp_g + d * K + rank);
     };
-    uint64_t key = lane == 0 ? make_key(lp_at(0, 0), 0, 0) : kEmpty;  // sorted list, one per lane
-    int cnt = 1;
+    const float lp_first = lane < L ? sh.lp[lane * kc] : 0.0f;  // lp[d][0], read by shuffle
+    uint64_t key = lane == 0 ? make_key(lp_first, 0, 0, 1) : kEmpty;  // sorted list, one per lane
     int pool_size = 0;
     uint64_t pool_best = kEmpty;
     int pool_best_idx = -1;
@@ -102,70 +105,88 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       sh.node_rank[0] = 0;
       sh.node_depth[0] = 0;
     }
-    int n = 1;
-    // Inserting x either enters the list (evicting its tail to the pool when full) or goes to
-    // the pool; a pop below looks at both, so no ordering between list and pool is needed.
-    auto insert = [&](uint64_t x) {
-      const uint64_t tail = shfl64(key, 31);
-      if (cnt == 32 && x >= tail) {
-        if (lane == 0) sh.pool[pool_size] = x;
-        if (x < pool_best) { pool_best = x; pool_best_idx = pool_size; }
-        ++pool_size;
-        return;
+    __syncwarp();
+    auto push_pool = [&](uint64_t x) {
+      if (x == kEmpty) return;
+      if (lane == 0) sh.pool[pool_size] = x;
+      if (x < pool_best) {
+        pool_best = x;
+        pool_best_idx = pool_size;
       }
-      const int pos = __popc(__ballot_sync(0xffffffffu, key < x));
-      const uint64_t up = __shfl_up_sync(0xffffffffu, key, 1);
-      if (cnt == 32) {
-        if (lane == 0) sh.pool[pool_size] = tail;
-        if (tail < pool_best) { pool_best = tail; pool_best_idx = pool_size; }
-        ++pool_size;
-      } else {
-        ++cnt;
-      }
-      key = lane < pos ? key : (lane == pos ? x : up);
+      ++pool_size;
     };
+    int n = 1;
     while (n < N) {
+      // Neighbours in the list, fetched before they are needed (they depend only on `key`).
       const uint64_t head = shfl64(key, 0);
-      uint64_t c;
-      if (pool_best < head) {
-        c = pool_best;
-        __syncwarp();
-        if (lane == 0) sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
-        --pool_size;
-        __syncwarp();
-        uint64_t best = kEmpty;
-        for (int i = lane; i < pool_size; i += 32) best = sh.pool[i] < best ? sh.pool[i] : best;
-        pool_best = warp_min64(best);
-        int idx = 0x7fffffff;
-        if (pool_best != kEmpty)
-          for (int i = lane; i < pool_size; i += 32)
-            if (sh.pool[i] == pool_best) idx = i;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) idx = min(idx, __shfl_xor_sync(0xffffffffu, idx, off));
-        pool_best_idx = pool_best == kEmpty ? -1 : idx;
-      } else if (head != kEmpty) {
-        c = head;
-        key = __shfl_down_sync(0xffffffffu, key, 1);
-        if (lane == 31) key = kEmpty;
-        --cnt;
-      } else {
-        break;  // no candidates left: fewer than B nodes exist
-      }
+      uint64_t down1 = __shfl_down_sync(0xffffffffu, key, 1);
+      const uint64_t up1 = __shfl_up_sync(0xffffffffu, key, 1);
+      const uint64_t up2 = __shfl_up_sync(0xffffffffu, key, 2);
+      const uint64_t tail = shfl64(key, 31), tail1 = shfl64(key, 30);
+      if (lane == 31) down1 = kEmpty;
+      const bool from_pool = pool_best < head;
+      const uint64_t c = from_pool ? pool_best : head;
+      if (c == kEmpty) break;  // no candidates left: fewer than B nodes exist
       const float s = from_orderable(~uint32_t(c >> 32));
-      const int p = int((uint32_t(c) >> 10) & 0x7ff);
-      const int rank = int(uint32_t(c) & 0x3ff);
-      const int d = sh.node_depth[p] + 1;
+      const uint32_t lo = uint32_t(c);
+      const int p = int(lo >> 16);
+      const int rank = int((lo >> 6) & 0x3ff);
+      const int d = int(lo & 0x3f);
       const float sp = sh.node_score[p];
-      __syncwarp();
+      const float lp_sib = rank + 1 < K ? lp_at(d - 1, rank + 1) : 0.0f;
+      const float lp_child = __shfl_sync(0xffffffffu, lp_first, d & 31);
+      uint64_t a = rank + 1 < K ? make_key(__fadd_rn(sp, lp_sib), p, rank + 1, d) : kEmpty;
+      uint64_t b = d < L ? make_key(__fadd_rn(s, lp_child), n, 0, d + 1) : kEmpty;
+      if (b < a) {
+        const uint64_t t = a;
+        a = b;
+        b = t;
+      }
       if (lane == 0) {
         sh.node_score[n] = s;
         sh.node_parent[n] = int16_t(p);
         sh.node_rank[n] = int16_t(rank);
         sh.node_depth[n] = int8_t(d);
       }
+      // Merge: M = (list minus its head if popped from it) + {a, b}, sorted; the list keeps
+      // M[0..31] and M[32..] goes to the pool.  a sits at pa, b at pb + 1.
+      const int drop = from_pool ? 0 : 1;
+      const int pa = __popc(__ballot_sync(0xffffffffu, key < a)) - drop;
+      const int pb = __popc(__ballot_sync(0xffffffffu, key < b)) - drop;
+      auto merged_at = [&](int i, uint64_t same, uint64_t prev, uint64_t prev2, uint64_t next) -> uint64_t {
+        if (i == pa) return a;
+        if (i == pb + 1) return b;
+        const int src_off = drop - (i > pa) - (i > pb + 1);  // old index = i + src_off
+        return src_off == 1 ? next : src_off == 0 ? same : src_off == -1 ? prev : prev2;
+      };
+      const uint64_t m = merged_at(lane, key, up1, up2, down1);
+      // M[32] and M[33]: their old-list sources are lanes 30..31 (or past the end).
+      const uint64_t ov0 = merged_at(32, kEmpty, tail, tail1, kEmpty);
+      const uint64_t ov1 = from_pool ? merged_at(33, kEmpty, kEmpty, tail, kEmpty) : kEmpty;
+      key = m;
+      if (from_pool) {
+        __syncwarp();
+        if (lane == 0) sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
+        --pool_size;
+        __syncwarp();
+        // Rescan the pool for its best key: lane-local min, then 32-bit warp reductions.
+        uint64_t best = kEmpty;
+        int best_i = 0x7fffffff;
+        for (int i = lane; i < pool_size; i += 32) {
+          const uint64_t v = sh.pool[i];
+          if (v < best) {
+            best = v;
+            best_i = i;
+          }
+        }
+        const uint32_t hi_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32));
+        const uint32_t lo_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32) == hi_min ? uint32_t(best) : ~0u);
+        pool_best = (uint64_t(hi_min) << 32) | lo_min;
+        pool_best_idx = int(__reduce_min_sync(0xffffffffu, best == pool_best ? uint32_t(best_i) : ~0u));
+      }
+      push_pool(ov0);
+      push_pool(ov1);
       __syncwarp();
-      if (rank + 1 < K) insert(make_key(__fadd_rn(sp, lp_at(d - 1, rank + 1)), p, rank + 1));
-      if (d < L) insert(make_key(__fadd_rn(s, lp_at(d, 0)), n, 0));
       ++n;
     }
     if (lane == 0) sh.num_nodes = n;

@@ -8,5 +8,9 @@ from .topk import (PartialTopK, TopK, draft_topk, draft_topk_merge, draft_topk_m
                    draft_topk_partial_reference, draft_topk_reference)
 
 # ---- MLA tree attention ----
+from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_attention_reference
 
 # ---- INT4 MoE ----
+from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
+                  int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
+                  int4_unpack)
