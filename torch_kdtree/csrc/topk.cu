@@ -9,11 +9,12 @@
 // draft_topk / draft_topk_partial on logits [rows = R*L, V] run two kernels:
 //  1. chunk kernel, grid (rows, S), 512 threads: a block owns C <= 16384 consecutive entries of
 //     one row (S*k <= 16384 candidates per row).  It reads them once (16-byte loads where the
-//     rows are aligned) into shared memory as orderable value bits, reduces the chunk's max and
-//     sum(exp(x - max)), and radix-selects the chunk's top min(k, n) keys: 11-bit digits from
-//     the top of the key, one shared-memory histogram per digit (warp-aggregated atomics), a
-//     block scan to find the digit of the k-th key, stopping as soon as the k-th key's bin is
-//     taken whole (2-3 digits typically).  Survivors go to a workspace [rows, S, k] (0 = none).
+//     rows are aligned) into shared memory as orderable value bits, counting the first digit on
+//     the way, reduces the chunk's max and sum(exp(x - max)), and radix-selects the chunk's top
+//     min(k, n) keys: 11-bit digits from the top of the key, one shared-memory histogram per
+//     digit (warp-aggregated atomics), a block scan to find the digit of the k-th key, stopping
+//     as soon as the k-th key's bin is taken whole (2-3 digits typically; a Python model of the
+//     algorithm averaged 2.7).  Survivors go to a workspace [rows, S, k] (key 0 = none).
 //  2. row kernel, one block of 1024 threads per row: combines the S (max, sum) pairs into the
 //     row's log-sum-exp (the block holding the row max contributes exp(x - max) terms exactly
 //     as torch.log_softmax computes them), radix-selects the top k of the S*k candidates (16
@@ -21,7 +22,8 @@
 //     strides < 32, shared memory above) and writes them.
 // Bound: one read of the logits (R*L*V*2 bytes in bf16: 4.9 MB at R=1, L=15, V=163840, ~1.2 us
 // at the H200's HBM rate); at small R the chain of dependent steps (load, select digits, the
-// row kernel's digits and bitonic stages) bounds the latency instead.
+// row kernel's digits and bitonic stages) and the select passes' ~100 instructions per entry
+// bound the latency instead.
 //
 // draft_topk_merge on [P, rows, k_in] candidates: one block per row runs the same select and
 // sort over the P*k_in keys (id_bits = 32, re-read from global/L2 on every digit) and
