@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import devices, requires_cuda
+from .conftest import devices, requires_cuda
 from torch_kdtree.ops import (draft_topk, draft_topk_merge, draft_topk_merge_reference, draft_topk_partial,
                               draft_topk_partial_reference, draft_topk_reference)
 

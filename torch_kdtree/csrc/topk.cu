@@ -9,11 +9,12 @@
 // draft_topk / draft_topk_partial on logits [rows = R*L, V] run two kernels:
 //  1. chunk kernel, grid (rows, S), 512 threads: a block owns C <= 16384 consecutive entries of
 //     one row (S*k <= 16384 candidates per row).  It reads them once (16-byte loads where the
-//     rows are aligned) into shared memory as orderable value bits, reduces the chunk's max and
-//     sum(exp(x - max)), and radix-selects the chunk's top min(k, n) keys: 11-bit digits from
-//     the top of the key, one shared-memory histogram per digit (warp-aggregated atomics), a
-//     block scan to find the digit of the k-th key, stopping as soon as the k-th key's bin is
-//     taken whole (2-3 digits typically).  Survivors go to a workspace [rows, S, k] (0 = none).
+//     rows are aligned) into shared memory as orderable value bits, counting the first digit on
+//     the way, reduces the chunk's max and sum(exp(x - max)), and radix-selects the chunk's top
+//     min(k, n) keys: 11-bit digits from the top of the key, one shared-memory histogram per
+//     digit (warp-aggregated atomics), a block scan to find the digit of the k-th key, stopping
+//     as soon as the k-th key's bin is taken whole (2-3 digits typically; a Python model of the
+//     algorithm averaged 2.7).  Survivors go to a workspace [rows, S, k] (key 0 = none).
 //  2. row kernel, one block of 1024 threads per row: combines the S (max, sum) pairs into the
 //     row's log-sum-exp (the block holding the row max contributes exp(x - max) terms exactly
 //     as torch.log_softmax computes them), radix-selects the top k of the S*k candidates (16
@@ -21,7 +22,8 @@
 //     strides < 32, shared memory above) and writes them.
 // Bound: one read of the logits (R*L*V*2 bytes in bf16: 4.9 MB at R=1, L=15, V=163840, ~1.2 us
 // at the H200's HBM rate); at small R the chain of dependent steps (load, select digits, the
-// row kernel's digits and bitonic stages) bounds the latency instead.
+// row kernel's digits and bitonic stages) and the select passes' ~100 instructions per entry
+// bound the latency instead.
 //
 // draft_topk_merge on [P, rows, k_in] candidates: one block per row runs the same select and
 // sort over the P*k_in keys (id_bits = 32, re-read from global/L2 on every digit) and
@@ -59,6 +61,7 @@ static_assert(kBins % kChunkThreads == 0 && kBins % kRowThreads == 0, "bins spli
 // bfloat16 logits, read as raw 16-bit patterns.
 struct Bf16 {
   using Raw = uint16_t;
+  using ChunkKey = uint32_t;  // 16 value bits + 14 index bits
   static constexpr int kBits = 16;
   static constexpr int kVec = 8;  // per 16-byte load
   __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw << 16); }
@@ -76,6 +79,7 @@ struct Bf16 {
 
 struct F32 {
   using Raw = uint32_t;
+  using ChunkKey = uint64_t;  // 32 value bits + 14 index bits
   static constexpr int kBits = 32;
   static constexpr int kVec = 4;
   __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw); }
@@ -99,7 +103,8 @@ struct SelectShared {
   float bcast;
 };
 
-__device__ __forceinline__ uint64_t shr64(uint64_t x, int s) { return s >= 64 ? 0 : x >> s; }
+template <typename Key>
+__device__ __forceinline__ Key shr(Key x, int s) { return s >= int(8 * sizeof(Key)) ? Key(0) : Key(x >> s); }
 
 // Adds one to hist[bin] for every active lane; lanes with equal bins add once (peaked logits put
 // most of a warp into one bin).  All 32 lanes must call it.
@@ -180,29 +185,35 @@ __device__ __forceinline__ float block_sum_to_thread0(float v, SelectShared& sh)
 
 // Block-wide radix select.  key_at(j, key) yields this thread's j-th key and whether it exists,
 // for j < iters (the same iters in every thread; ITERS > 0 fixes it at compile time so that keys
-// held in a register array stay in registers).  Keys are distinct and below 2^bits, and at least
-// k of them exist.  On return, exactly k keys satisfy shr64(key, shift) >= prefix: they are the
-// k largest.  Every thread returns the same (prefix, shift).
-template <int THREADS, int ITERS, typename KeyAt>
-__device__ void radix_select(SelectShared& sh, KeyAt key_at, int iters, int bits, uint32_t k, uint64_t& prefix_out,
-                             int& shift_out) {
+// held in a register array stay in registers).  Keys are distinct and below 2^bits (bits >= 11),
+// and at least k of them exist.  With first_digit_counted, sh.hist already holds the counts of
+// the top 11-bit digit of every key (and a barrier has passed since).  On return, exactly k keys
+// satisfy shr(key, shift) >= prefix: they are the k largest.  Every thread returns the same
+// (prefix, shift).
+template <int THREADS, int ITERS, typename Key, typename KeyAt>
+__device__ void radix_select(SelectShared& sh, KeyAt key_at, int iters, int bits, uint32_t k,
+                             bool first_digit_counted, Key& prefix_out, int& shift_out) {
   constexpr int kPerThread = kBins / THREADS;
-  uint64_t prefix = 0;
+  Key prefix = 0;
   int shift = bits;
   uint32_t need = k;  // keys still to take among those matching prefix
+  bool counted = first_digit_counted;
   while (shift > 0) {
     const int d = shift < kDigitBits ? shift : kDigitBits;
     const int low = shift - d;
     const uint32_t mask = (1u << d) - 1u;
-    for (int b = threadIdx.x; b < kBins; b += THREADS) sh.hist[b] = 0;
-    __syncthreads();
-    const int n_it = ITERS > 0 ? ITERS : iters;
+    if (!counted) {
+      for (int b = threadIdx.x; b < kBins; b += THREADS) sh.hist[b] = 0;
+      __syncthreads();
+      const int n_it = ITERS > 0 ? ITERS : iters;
 #pragma unroll
-    for (int j = 0; j < n_it; ++j) {
-      uint64_t key;
-      const bool valid = key_at(j, key);
-      hist_add(sh.hist, valid && shr64(key, shift) == prefix, uint32_t(key >> low) & mask);
+      for (int j = 0; j < n_it; ++j) {
+        Key key;
+        const bool valid = key_at(j, key);
+        hist_add(sh.hist, valid && shr(key, shift) == prefix, uint32_t(key >> low) & mask);
+      }
     }
+    counted = false;
     __syncthreads();
     // Everyone has read the previous digit's decision by now.  The default only survives if the
     // counts were inconsistent (never for valid inputs); it keeps the loop finite.
@@ -292,7 +303,11 @@ topk_chunk_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int
   const int k_eff = min(k, n);
   for (int p = k_eff + int(threadIdx.x); p < k; p += kChunkThreads) out[p] = 0;
 
-  // Load, keep orderable bits, track the max.
+  // Load, keep orderable bits, track the max, and count the select's first digit (the top 11
+  // bits of the value) on the way.  Loops are warp-uniform: hist_add needs every lane.
+  for (int b = threadIdx.x; b < kBins; b += kChunkThreads) sh.hist[b] = 0;
+  __syncthreads();
+  constexpr int kFirstShift = Tr::kBits - kDigitBits;
   float tmax = -INFINITY;
   int done = 0;
   if (vec_ok) {
@@ -315,23 +330,31 @@ topk_chunk_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int v = v0 + b * kChunkThreads + int(threadIdx.x);
-        if (v < nvec) {
-          Pack o;
+        const bool valid = v < nvec;
+        Pack o;
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            tmax = fmaxf(tmax, Tr::to_float(in[b].r[e]));
-            o.r[e] = Raw(Tr::orderable(in[b].r[e]));
-          }
-          ord4[v] = o.u;
+        for (int e = 0; e < kVec; ++e) {
+          const uint32_t r = valid ? uint32_t(in[b].r[e]) : 0u;
+          const uint32_t key = Tr::orderable(r);
+          if (valid) tmax = fmaxf(tmax, Tr::to_float(r));
+          o.r[e] = Raw(key);
+          hist_add(sh.hist, valid, key >> kFirstShift);
         }
+        if (valid) ord4[v] = o.u;
       }
     }
     done = nvec * kVec;
   }
-  for (int i = done + int(threadIdx.x); i < n; i += kChunkThreads) {
-    const Raw r = src[i];
-    tmax = fmaxf(tmax, Tr::to_float(r));
-    ord[i] = Raw(Tr::orderable(r));
+  for (int i0 = done; i0 < n; i0 += kChunkThreads) {
+    const int i = i0 + int(threadIdx.x);
+    const bool valid = i < n;
+    const uint32_t r = valid ? uint32_t(src[i]) : 0u;
+    const uint32_t key = Tr::orderable(r);
+    if (valid) {
+      tmax = fmaxf(tmax, Tr::to_float(r));
+      ord[i] = Raw(key);
+    }
+    hist_add(sh.hist, valid, key >> kFirstShift);
   }
   const float m = block_max<kChunkThreads>(tmax, sh);  // its barrier also publishes ord[]
 
@@ -343,25 +366,28 @@ topk_chunk_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int
   if (threadIdx.x == 0) stats[row * S + c] = make_float2(m, s);
   if (k_eff == 0) return;
 
+  using Key = typename Tr::ChunkKey;
   const int iters = (n + kChunkThreads - 1) / kChunkThreads;
-  auto key_at = [&](int j, uint64_t& key) -> bool {
+  auto key_at = [&](int j, Key& key) -> bool {
     const int i = j * kChunkThreads + int(threadIdx.x);
     if (i >= n) {
       key = 0;
       return false;
     }
-    key = (uint64_t(ord[i]) << kChunkIdBits) | uint64_t(kMaxChunk - 1 - i);
+    key = (Key(ord[i]) << kChunkIdBits) | Key(kMaxChunk - 1 - i);
     return true;
   };
   constexpr int kBitsChunk = Tr::kBits + kChunkIdBits;
-  uint64_t prefix = 0;
+  static_assert(kBitsChunk <= 8 * int(sizeof(Key)), "chunk key type too narrow");
+  Key prefix = 0;
   int shift = kBitsChunk;  // with prefix 0: take everything
-  if (k_eff < n) radix_select<kChunkThreads, 0>(sh, key_at, iters, kBitsChunk, uint32_t(k_eff), prefix, shift);
+  if (k_eff < n)
+    radix_select<kChunkThreads, 0>(sh, key_at, iters, kBitsChunk, uint32_t(k_eff), true, prefix, shift);
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
   for (int j = 0; j < iters; ++j) {
-    uint64_t key;
-    const bool take = key_at(j, key) && shr64(key, shift) >= prefix;
+    Key key;
+    const bool take = key_at(j, key) && shr(key, shift) >= prefix;
     const int pos = warp_claim(take, &sh.count);
     if (take && pos < k_eff) {
       const int i = j * kChunkThreads + int(threadIdx.x);
@@ -409,12 +435,13 @@ topk_row_kernel(const uint64_t* __restrict__ cand, const float2* __restrict__ st
   };
   uint64_t prefix;
   int shift;
-  radix_select<kRowThreads, kRowItems>(sh, key_at, kRowItems, Tr::kBits + kRowIdBits, uint32_t(k), prefix, shift);
+  radix_select<kRowThreads, kRowItems>(sh, key_at, kRowItems, Tr::kBits + kRowIdBits, uint32_t(k), false, prefix,
+                                       shift);
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < kRowItems; ++j) {
-    const bool take = keys[j] != 0 && shr64(keys[j], shift) >= prefix;
+    const bool take = keys[j] != 0 && shr(keys[j], shift) >= prefix;
     const int pos = warp_claim(take, &sh.count);
     if (take && pos < k) sorted[pos] = keys[j];
   }
@@ -469,12 +496,12 @@ topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ 
   const int iters = (n + kRowThreads - 1) / kRowThreads;
   uint64_t prefix;
   int shift;
-  radix_select<kRowThreads, 0>(sh, key_at, iters, 64, uint32_t(k), prefix, shift);
+  radix_select<kRowThreads, 0>(sh, key_at, iters, 64, uint32_t(k), false, prefix, shift);
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
   for (int j = 0; j < iters; ++j) {
     uint64_t key;
-    const bool take = key_at(j, key) && shr64(key, shift) >= prefix;
+    const bool take = key_at(j, key) && shr(key, shift) >= prefix;
     const int pos = warp_claim(take, &sh.count);
     if (take && pos < k) sorted[pos] = key;
   }
