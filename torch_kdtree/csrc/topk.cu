@@ -563,8 +563,9 @@ void launch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool 
   const bool vec_ok = V % Tr::kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
   const size_t smem = size_t(C) * sizeof(Raw);
   auto chunk_kernel = topk_chunk_kernel<Tr>;
-  if (smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // Static + dynamic shared memory can pass 48 KB even when the dynamic part alone does not
+  // (seen on the H200: bf16 chunks of 32 KB failed to launch), so always opt in.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const auto stream = at::cuda::getCurrentCUDAStream();
   chunk_kernel<<<dim3(unsigned(rows), unsigned(S)), kChunkThreads, smem, stream>>>(
       reinterpret_cast<const Raw*>(logits.data_ptr()), int(V), C, S, int(k), vec_ok,
