@@ -310,6 +310,16 @@ class GenerationSession:
         return {"budget": budget, "accept": self.accept_log[min(step, self.max_steps - 1)].tolist(), **times}
 
     @torch.no_grad()
+    def time_steps(self, budget: int, steps: int) -> float:
+        """Mean seconds per step of ``steps`` steps at ``budget`` from the current state (they
+        commit tokens like any step); only the step proper is timed (no oracle look-ahead)."""
+        self._timing = []
+        for _ in range(steps):
+            self.step(budget)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self._timed_seconds() / steps
+
     def measure_step_seconds(self, budgets, repeats: int = 3) -> dict[int, float]:
         """Seconds per step of each budget on a scratch state (then :meth:`reset`).  Taken
         right after the graphs are captured, with short contexts (MoE and weight traffic,
@@ -318,12 +328,7 @@ class GenerationSession:
         for b in budgets:
             self.reset()
             self.step(b)  # warm
-            self._timing = []
-            for _ in range(repeats):
-                self.step(b)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds[b] = self._timed_seconds() / repeats
+            seconds[b] = self.time_steps(b, repeats)
         self.reset()
         return seconds
 
