@@ -145,12 +145,34 @@ def test_oracle_accuracy_controls_acceptance():
     model = target(30)
     ids, mask = prompts(1, 30)
     means = []
+    drafter = OracleDrafter(model, 5, second_choice=0.0, seed=1)
     for accuracy in (0.0, 0.5, 1.0):
-        drafter = OracleDrafter(model, 5, accuracy=accuracy, second_choice=0.0, seed=1)
+        drafter.set_accuracy(accuracy)  # in place: the captured session is reused
         out = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, drafter=drafter,
                              tree_budget=4, return_dict_in_generate=True)
         means.append(out.mean_accept_length)
     assert means[0] == 1.0 and means[2] == 5.0 and 1.0 < means[1] < 5.0, means
+    assert len(model.__dict__["_ddtree_sessions"]) == 1
+
+
+def test_step_compiles_as_one_graph_and_equals_eager():
+    """The whole step (drafter, top-K, build, verify, sampling, accept, commit, outputs) traces
+    with fullgraph=True; through AOT autograd it gives the eager tokens."""
+    from torch_kdtree.models.generation import GenerationSession
+
+    model = target(31)
+    ids, mask = prompts(2, 31, left=False)
+    outs = []
+    for compile_step in (False, "aot_eager"):
+        torch._dynamo.reset()
+        drafter = make_drafter("oracle_60_inner", model, 2, 4)
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
+                                    compile_step=compile_step)
+        session.prefill(ids, mask.sum(1), max_new=12, eos=[])
+        for i in range(6):
+            session.step(0 if i == 2 else 5)  # an autoregressive step in between
+        outs.append(session.tokens())
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
 @pytest.mark.parametrize("speculative", [None, "ddtree"])
@@ -256,7 +278,7 @@ def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, to
     ("ddtree", 0.7, 2, 0.9),  # temperature, top-k and top-p on every node
 ])
 def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p):
-    """The first three generated tokens over a 3-token vocabulary (27 sequences): n = 600
+    """The first three generated tokens over a 3-token vocabulary (27 sequences): n = 1200
     requests in one batch against the enumerated autoregressive distribution, Pearson's
     chi-square; false-alarm rate 1e-3 per case (fixed seeds, so the outcome is deterministic).
     With DDTree (random drafter, B = 6, K = V) most first steps walk below the root, so tokens
@@ -264,7 +286,7 @@ def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, t
     model = target(70, vocab_size=3, bos_token_id=1, eos_token_id=2)
     prompt = torch.tensor([1, 0, 2, 1, 1])
     probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p)
-    n = 600
+    n = 1200
     drafter = tiny_drafter(model, seed=71, block_size=4) if speculative else None
     torch.manual_seed(72)
     out = model.generate(prompt.repeat(n, 1), max_new_tokens=3, eos_token_id=None, do_sample=True,
@@ -398,10 +420,10 @@ def test_second_call_reuses_the_session():
     ids, mask = prompts(2, 83)
     drafter = make_drafter("random_dflash", model, 2, 4)
     first = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, drafter=drafter, tree_budget=3)
-    session = model.__dict__["_ddtree_session"][1]
+    (session,) = model.__dict__["_ddtree_sessions"].values()
     second = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, drafter=drafter,
                             tree_budget=3)
-    assert model.__dict__["_ddtree_session"][1] is session and torch.equal(first, second)
+    assert list(model.__dict__["_ddtree_sessions"].values()) == [session] and torch.equal(first, second)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,34 +442,52 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor):
     return None if diff.numel() == 0 else tuple(diff[0].tolist())
 
 
+def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
+    """got == want token for token, except that a request may diverge where, at the first
+    differing position, the two tokens' logits (bf16 prefill of the common prefix) tie within
+    4 bf16 ulps: tree and single-token passes round differently in bf16.  Prints each case."""
+    T = ids.shape[1]
+    for r in range(ids.shape[0]):
+        where = _first_difference(got[r], want[r])
+        if where is None:
+            continue
+        t = where[0]
+        prefix = torch.cat([ids[r][mask[r].bool()], want[r, T:t]])
+        with torch.no_grad():
+            logits = model(prefix[None]).logits[0, -1].float()
+        gap = (logits[want[r, t]] - logits[got[r, t]]).abs().item()
+        ulp = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+        assert gap <= 4 * ulp, f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp})"
+        print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
+
+
 @requires_mla_cuda
-@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16), ("oracle", 32)])
+@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16), ("oracle", 32), ("oracle_80", "auto")])
 def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget):
-    """The same kernels in bf16: DDTree output equals autoregressive output.  Tree and
-    single-token passes round differently in bf16, so a divergence is accepted only where the
-    two candidate tokens' logits tie within bf16 resolution at that prefix (and it is counted)."""
+    """The same kernels in bf16, CUDA graphs: DDTree output equals autoregressive output (up to
+    bf16 ties, see the helper)."""
     model = gpu_target(90)
     ids, mask = prompts(3, 90)
     ids, mask = ids.cuda(), mask.cuda()
     drafter = make_drafter(kind, model, 91, 6)
-    if isinstance(drafter, torch.nn.Module) and not isinstance(drafter, OracleDrafter):
+    if not isinstance(drafter, OracleDrafter):
         drafter = drafter.to("cuda", torch.bfloat16)
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
                         tree_budget=budget)
-    T = ids.shape[1]
-    for r in range(3):
-        where = _first_difference(dd[r], ar[r])
-        if where is None:
-            continue
-        t = where[0]
-        prefix = torch.cat([ids[r][mask[r].bool()], ar[r, T:t]])
-        with torch.no_grad():
-            logits = model(prefix[None]).logits[0, -1].float()
-        gap = (logits[ar[r, t]] - logits[dd[r, t]]).abs().item()
-        ulp = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
-        assert gap <= 4 * ulp, f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp})"
-        print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+
+
+@requires_mla_cuda
+def test_cuda_compiled_step_in_graphs_equals_autoregressive():
+    model = gpu_target(98)
+    ids, mask = prompts(2, 98)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter("oracle_80", model, 99, 5)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, compile_step=True)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, drafter=drafter,
+                        tree_budget=8, compile_step=True)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
 
 
 @requires_mla_cuda
@@ -478,7 +518,7 @@ def test_cuda_steps_replay_captured_graphs_without_running_python():
     steps = len(out.budgets)
     assert replays >= steps >= 3
     assert forwards == 1  # the prefill; every step ran as a graph replay
-    session = model.__dict__["_ddtree_session"][1]
+    (session,) = model.__dict__["_ddtree_sessions"].values()
     assert set(session.graphs) == {8} and all(isinstance(g, torch.cuda.CUDAGraph) for g in session.graphs.values())
 
 

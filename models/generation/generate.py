@@ -15,7 +15,6 @@ for token; sampled output has the autoregressive distribution (sample-and-walk, 
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,13 +54,15 @@ class DDTreeGenerateOutput(ModelOutput):
     request's end.  accept_lengths int [R, steps]: tokens each step emitted per request (0 once
     finished).  budgets: the tree budget of each step (0 = autoregressive).  profile: per-step
     phase times (ms) and accept lengths, with ``profile=True``.  budget_history: the planner's
-    estimates per segment with ``tree_budget="auto"``."""
+    estimates per segment with ``tree_budget="auto"``.  step_seconds: time inside the decoding
+    steps (CUDA events; no prefill, no host gaps, no oracle look-ahead)."""
 
     sequences: torch.LongTensor = None
     accept_lengths: Optional[torch.Tensor] = None
     budgets: Optional[list] = None
     profile: Optional[list] = None
     budget_history: Optional[list] = None
+    step_seconds: Optional[float] = None
 
     @property
     def mean_accept_length(self) -> float:
@@ -125,7 +126,7 @@ class DDTreeGenerationMixin(GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
                  attention_mask: torch.Tensor | None = None, speculative: str | None = None, drafter=None,
                  tree_budget: int | str = "auto", streamer=None, profile: bool = False, sync_every: int = 8,
-                 cuda_graphs: bool = True, compile_step: bool = False, page_size: int = 64, **kwargs):
+                 cuda_graphs: bool = True, compile_step: bool | str = False, page_size: int = 64, **kwargs):
         """Generate continuations of ``inputs`` [R, T] (or ``input_ids=``).
 
         Args:
@@ -141,7 +142,10 @@ class DDTreeGenerationMixin(GenerationMixin):
                 the prompt, then new tokens every ``sync_every`` steps.
             profile: run steps eagerly with per-phase CUDA-event times (``out.profile``).
             sync_every: steps between the host's checks for finished requests (default 8).
-            cuda_graphs / compile_step / page_size: execution options (session.py).
+            cuda_graphs: capture each step in a CUDA graph and replay it (CUDA only).
+            compile_step: also run the step through ``torch.compile(fullgraph=True)``
+                (True: inductor; or a backend name).
+            page_size: tokens per page of the paged latent cache.
 
         Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
         with ``return_dict_in_generate=True``.
@@ -195,11 +199,20 @@ class DDTreeGenerationMixin(GenerationMixin):
         session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling)
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
-        run = _decode(session, policy, profile=profile, streamer=streamer, max_new=max_new, eos=eos)
+        sent = 0
+
+        def stream():
+            nonlocal sent
+            tokens, count = session.tokens()
+            if count[0] > sent:
+                streamer.put(tokens[:, sent : count[0]])
+                sent = count[0]
+
+        run = session.run(policy, profile=profile, on_poll=stream if streamer is not None else None)
         if streamer is not None:
             streamer.end()
 
-        generated, count = _final_tokens(session, max_new, eos)
+        generated, count = session.tokens()
         width = max(count)
         tail = torch.full((R, width), pad, dtype=torch.int64)
         for r, n in enumerate(count):
@@ -211,27 +224,33 @@ class DDTreeGenerationMixin(GenerationMixin):
         steps = int((log.sum(0) > 0).nonzero().max()) + 1 if log.any() else 0  # drop the idle tail
         return DDTreeGenerateOutput(sequences=sequences, accept_lengths=log[:, :steps],
                                     budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
-                                    budget_history=getattr(policy, "history", None) if auto else None)
+                                    budget_history=getattr(policy, "history", None) if auto else None,
+                                    step_seconds=run["step_seconds"])
+
+
+MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, least recently used dropped
 
 
 def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, cuda_graphs, compile_step,
              sync_every, measure) -> GenerationSession:
-    """The model's cached session when it fits these shapes (its graphs are reused), else a new one."""
+    """A cached session of the model that fits these shapes (its graphs are reused), else a new one."""
     key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, cuda_graphs, compile_step,
            sync_every, model.device, model.dtype)
-    cached = model.__dict__.get("_ddtree_session")
-    if cached is not None and cached[0] == key and cached[1].drafter_state == _drafter_state(drafter):
-        session = cached[1]
-        if drafter is not None and hasattr(drafter, "attach"):
-            drafter.attach(model, session.cache)
-    else:
-        model.__dict__["_ddtree_session"] = None  # free the old buffers and graphs first
+    sessions = model.__dict__.setdefault("_ddtree_sessions", {})
+    session = sessions.pop(key, None)
+    if session is not None and session.drafter_state != _drafter_state(drafter):
+        session = None  # the drafter's context buffers were reallocated by another session
+    if session is None:
+        while len(sessions) >= MAX_SESSIONS:
+            sessions.pop(next(iter(sessions)))  # free the oldest buffers and graphs first
         session = GenerationSession(model, drafter, batch_size=R, max_prompt=max_prompt, max_new=max_new,
                                     budgets=budgets, mode=mode, page_size=page_size, cuda_graphs=cuda_graphs,
                                     compile_step=compile_step, sync_every=sync_every)
         session.drafter_state = _drafter_state(drafter)
         session.step_seconds = None
-        model.__dict__["_ddtree_session"] = (key, session)
+    elif drafter is not None and hasattr(drafter, "attach"):
+        drafter.attach(model, session.cache)
+    sessions[key] = session  # most recently used last
     if measure and session.step_seconds is None:
         session.step_seconds = session.measure_step_seconds(budgets)
     return session
@@ -242,57 +261,6 @@ def _drafter_state(drafter):
     if drafter is None:
         return None
     return id(getattr(drafter, "context_lengths", None))
-
-
-def _decode(session: GenerationSession, policy, *, profile: bool, streamer, max_new: int, eos: list[int]) -> dict:
-    """Run steps until every request is finished; the host looks every ``sync_every`` steps."""
-    budgets, rows, sent = [], [], 0
-    cuda = session.device.type == "cuda"
-    remaining = session.remaining()
-    while remaining:
-        if len(budgets) > max_new + session.sync_every:
-            raise RuntimeError("generate: requests did not finish within max_new_tokens steps (internal error)")
-        budget = policy.current
-        steps = min(session.sync_every if cuda else 1, remaining)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
-        for _ in range(steps):
-            if profile:
-                rows.append(session.profile_step(budget))
-            else:
-                session.step(budget)
-            budgets.append(budget)
-        if cuda:
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3 / steps
-        else:
-            seconds = (time.perf_counter() - t0) / steps
-        remaining = session.remaining()
-        policy.observe(budget, session.take_counterfactuals(), None if profile else seconds)
-        if streamer is not None:
-            tokens, count = _final_tokens(session, max_new, eos)
-            if count[0] > sent:
-                streamer.put(tokens[:, sent : count[0]])
-                sent = count[0]
-    return {"budgets": budgets, "profile": rows}
-
-
-def _final_tokens(session: GenerationSession, max_new: int, eos: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """The emitted tokens (host) and each request's count, cut at its first EOS and max_new."""
-    out = session.out[:, :max_new].cpu()
-    emitted = session.out_len.clamp(max=max_new).tolist()
-    count = []
-    for r, n in enumerate(emitted):
-        if eos:
-            hits = torch.isin(out[r, :n], torch.tensor(eos)).nonzero()
-            if hits.numel():
-                n = int(hits[0, 0]) + 1
-        count.append(n)
-    return out, count
 
 
 __all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]

@@ -92,13 +92,14 @@ class GenerationSession:
         mode: greedy or sampling (:class:`SamplingMode`), fixed per session.
         page_size: tokens per page of the target's cache.
         cuda_graphs: capture and replay on CUDA (ignored on the CPU).
-        compile_step: wrap each step in ``torch.compile(fullgraph=True)`` before capturing.
+        compile_step: run each step through ``torch.compile(fullgraph=True)`` (captured in the
+            graphs on CUDA); True for inductor, or a backend name (e.g. ``"aot_eager"``).
         sync_every: steps between host checks.
     """
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
-                 compile_step: bool = False, sync_every: int = 8):
+                 compile_step: bool | str = False, sync_every: int = 8):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
 
         self.target, self.drafter = target, drafter
@@ -138,14 +139,23 @@ class GenerationSession:
         self.cf_count = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
         self._ones = torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev)
         self._topk_kernel = _has_device_kernel("kdtree::draft_topk", dev)
+        self._prepare = getattr(drafter, "prepare", None) if drafter is not None else None
         self._timer: PhaseTimer | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._timing: list | None = None
+        self.graphs: dict = {}
         self.use_graphs = cuda_graphs and dev.type == "cuda"
-        self.compile_step = compile_step
+        self._gen_max_new, self._gen_eos = 0, []
+        self._fns = {b: self._step_fn(b) for b in self.budgets}
+        if self._prepare is not None and any(self.budgets):
+            self._fns["prepare"] = lambda: self._prepare(self.root)
+        if compile_step:
+            backend = "inductor" if compile_step is True else compile_step
+            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
+                         for k, f in self._fns.items()}
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
-            for b in self.budgets:
-                self._capture(b)
+            for key, fn in self._fns.items():
+                self._capture(key, fn)
             self.reset()
 
     # ------------------------------------------------------------------------------------
@@ -213,9 +223,13 @@ class GenerationSession:
         valid = (j[None, :] < count[:, None]) & active[:, None]
         col = torch.where(valid, self.out_len[:, None] + j, self.width - 1).clamp(max=self.width - 1)
         self.out.scatter_(1, col, new)
-        hit_eos = (torch.isin(new, self.eos) & valid).any(1)
+        hit_eos = (self._is_eos(new) & valid).any(1)
         self.out_len.add_(torch.where(active, count.long(), 0))
         self.done.logical_or_(hit_eos | (self.out_len >= self.max_new_t))
+
+    def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        # a broadcast compare: torch.isin may sort and unique (a host sync) for other sizes
+        return (tokens[..., None] == self.eos).any(-1)
 
     def _record(self, count, active, indices, budget: int) -> None:
         step = self.step_no.clamp(max=self.max_steps - 1)
@@ -232,13 +246,10 @@ class GenerationSession:
         return self._ar_step if budget == 0 else (lambda: self._ddtree_step(budget))
 
     # ------------------------------------------------------------------------------------
-    # graphs
+    # graphs, running steps
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _capture(self, budget: int) -> None:
-        fn = self._step_fn(budget)
-        if self.compile_step:
-            fn = torch.compile(fn, fullgraph=True, dynamic=False)
+    def _capture(self, key, fn) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), value_checks(False):
@@ -248,24 +259,50 @@ class GenerationSession:
         graph = torch.cuda.CUDAGraph()
         with value_checks(False), torch.cuda.graph(graph, pool=self._pool):
             fn()
-        self.graphs[budget] = graph
+        self.graphs[key] = graph
+
+    def _run(self, key, fn) -> None:
+        if self.use_graphs and self._timer is None:
+            self.graphs[key].replay()
+            return
+        with value_checks(False) if self.device.type == "cuda" else nullcontext():
+            fn()
 
     @torch.no_grad()
     def step(self, budget: int) -> None:
-        """Run one step at ``budget``: a graph replay on CUDA, else eagerly."""
-        if self.use_graphs and self._timer is None:
-            self.graphs[budget].replay()
-            return
-        checks = value_checks(False) if self.device.type == "cuda" else nullcontext()
-        with checks:
-            self._step_fn(budget)()
+        """One step at ``budget``: graph replays on CUDA, else eagerly.  A drafter with a
+        ``prepare(root)`` (the oracle's look-ahead) runs it first, outside the step proper (its
+        own graph), so that step timings (:meth:`run`, :meth:`measure_step_seconds`) leave it out."""
+        if budget and self._prepare is not None:
+            self._run("prepare", self._fns["prepare"])
+        if self._timing is not None:
+            self._timing.append(self._clock())
+        self._run(budget, self._fns[budget])
+        if self._timing is not None:
+            self._timing.append(self._clock())
+
+    def _clock(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _timed_seconds(self) -> float:
+        """Seconds inside the steps recorded since timing started (after a synchronisation)."""
+        marks, self._timing = self._timing, None
+        if self.device.type == "cuda":
+            return sum(a.elapsed_time(b) for a, b in zip(marks[::2], marks[1::2])) / 1e3
+        return sum(b - a for a, b in zip(marks[::2], marks[1::2]))
 
     @torch.no_grad()
     def profile_step(self, budget: int) -> dict:
         """One eager step with per-phase times (ms) and the accept lengths (synchronises)."""
+        if budget and self._prepare is not None:
+            self._run("prepare", self._fns["prepare"])
         self._timer = PhaseTimer(self.device)
         try:
-            self.step(budget)
+            self._run(budget, self._step_fn(budget))  # eager, uncompiled: the phase marks run
             times = self._timer.millis()
         finally:
             self._timer = None
@@ -273,6 +310,16 @@ class GenerationSession:
         return {"budget": budget, "accept": self.accept_log[min(step, self.max_steps - 1)].tolist(), **times}
 
     @torch.no_grad()
+    def time_steps(self, budget: int, steps: int) -> float:
+        """Mean seconds per step of ``steps`` steps at ``budget`` from the current state (they
+        commit tokens like any step); only the step proper is timed (no oracle look-ahead)."""
+        self._timing = []
+        for _ in range(steps):
+            self.step(budget)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self._timed_seconds() / steps
+
     def measure_step_seconds(self, budgets, repeats: int = 3) -> dict[int, float]:
         """Seconds per step of each budget on a scratch state (then :meth:`reset`).  Taken
         right after the graphs are captured, with short contexts (MoE and weight traffic,
@@ -281,21 +328,42 @@ class GenerationSession:
         for b in budgets:
             self.reset()
             self.step(b)  # warm
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    self.step(b)
-                end.record()
-                end.synchronize()
-                seconds[b] = start.elapsed_time(end) / 1e3 / repeats
-            else:
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    self.step(b)
-                seconds[b] = (time.perf_counter() - t0) / repeats
+            seconds[b] = self.time_steps(b, repeats)
         self.reset()
         return seconds
+
+    def run(self, policy, *, profile: bool = False, on_poll=None) -> dict:
+        """Step until every request is finished, looking at the device every ``sync_every``
+        steps on CUDA (every step on the CPU) or sooner when fewer steps can still be needed.
+
+        ``policy`` gives the budget (``.current``) and sees each segment's counterfactual
+        accept lengths and step time (``.observe``, budget.py); ``on_poll()`` runs after each
+        look.  Returns the budget of every step, the profile rows (``profile=True``: eager
+        steps with per-phase times) and ``step_seconds``, the time spent inside the steps
+        (CUDA events around each step; no prefill, no oracle look-ahead, no host gaps).
+        """
+        budgets, rows, step_seconds = [], [], 0.0
+        cuda = self.device.type == "cuda"
+        remaining = self.remaining()
+        while remaining:
+            if len(budgets) > self.max_new + self.sync_every:
+                raise RuntimeError("generate: requests did not finish within max_new_tokens steps (internal error)")
+            budget = policy.current
+            steps = min(self.sync_every if cuda else 1, remaining)
+            self._timing = [] if not profile else None
+            for _ in range(steps):
+                if profile:
+                    rows.append(self.profile_step(budget))
+                else:
+                    self.step(budget)
+                budgets.append(budget)
+            remaining = self.remaining()
+            seconds = self._timed_seconds() if not profile else sum(r["total_ms"] for r in rows[-steps:]) / 1e3
+            step_seconds += seconds
+            policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps)
+            if on_poll is not None:
+                on_poll()
+        return {"budgets": budgets, "profile": rows, "step_seconds": step_seconds}
 
     # ------------------------------------------------------------------------------------
     # host side: reset, prefill, polling
@@ -327,6 +395,7 @@ class GenerationSession:
                 raise ValueError("GenerationSession: sampling parameters need a different captured mode")
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
         self.max_new_t.fill_(max_new)
+        self._gen_max_new, self._gen_eos = max_new, list(eos)
         lengths = lengths.to(self.device, torch.int64)
         out = self.target(ids.to(self.device), cache=self.cache, input_lengths=lengths, tap_layers=self.taps,
                           return_logits=False)
@@ -338,12 +407,25 @@ class GenerationSession:
         self.root.copy_(first)
         self.out[:, 0] = first
         self.out_len.fill_(1)
-        self.done.copy_(torch.isin(first, self.eos) | (self.max_new_t <= 1))
+        self.done.copy_(self._is_eos(first) | (self.max_new_t <= 1))
 
     def remaining(self) -> int:
         """The most tokens a running request may still emit (0: every request is finished);
         one small device-to-host read, so it synchronises."""
         return int((self.max_new_t - self.out_len).masked_fill(self.done, 0).max())
+
+    def tokens(self) -> tuple[torch.Tensor, list[int]]:
+        """The emitted tokens (on the host, [R, max_new]) and each request's count, cut after
+        its first EOS and at max_new_tokens: exactly where autoregressive generation stops."""
+        max_new, eos = self._gen_max_new, self._gen_eos
+        out = self.out[:, :max_new].cpu()
+        count = []
+        for r, n in enumerate(self.out_len.clamp(max=max_new).tolist()):
+            if eos:
+                hits = torch.isin(out[r, :n], torch.tensor(eos)).nonzero()
+                n = int(hits[0, 0]) + 1 if hits.numel() else n
+            count.append(n)
+        return out, count
 
     def take_counterfactuals(self) -> dict[int, tuple[float, float]]:
         """The accumulated (sum, count) of counterfactual accept lengths per budget; resets them."""
