@@ -18,6 +18,7 @@
 // kv_commit: one thread per (layer, request, 16-byte column chunk) copies the accepted rows in
 // path order.  Reading a batch of rows before writing it is safe because a path's indices are
 // increasing, so row j's source (>= j) is never a row an earlier j' < j writes.  Pure bandwidth.
+#include "check.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -308,10 +309,10 @@ __global__ void kv_commit_kernel(V* __restrict__ cache, const int32_t* __restric
 }
 
 void check_cuda(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
@@ -320,14 +321,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
   check_cuda(logprobs, op, "logprobs", at::kFloat, 3);
   check_cuda(token_ids, op, "token_ids", at::kLong, 3);
   check_cuda(root_tokens, op, "root_tokens", at::kLong, 1);
-  TORCH_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
+  KD_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
               " != logprobs shape ", logprobs.sizes());
   const int64_t R = logprobs.size(0), L = logprobs.size(1), K = logprobs.size(2);
-  TORCH_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
-  TORCH_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
-  TORCH_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
-  TORCH_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
-  TORCH_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
+  KD_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
+  KD_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
+  KD_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
+  KD_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
+  KD_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
               op, ": all inputs must be on one device");
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const int64_t N = budget + 1;
@@ -352,12 +353,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_accept_cuda(const at::Tensor
   check_cuda(tokens, op, "tokens", at::kLong, 2);
   check_cuda(parents, op, "parents", at::kInt, 2);
   check_cuda(target_tokens, op, "target_tokens", at::kLong, 2);
-  TORCH_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
+  KD_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
               ": tokens, parents and target_tokens must share one [R, N] shape, got ", tokens.sizes(), ", ",
               parents.sizes(), ", ", target_tokens.sizes());
   const int64_t R = tokens.size(0), N = tokens.size(1);
-  TORCH_CHECK(N >= 1 && N <= kMaxNodes, op, ": N must be in [1, ", kMaxNodes, "], got ", N);
-  TORCH_CHECK(parents.device() == tokens.device() && target_tokens.device() == tokens.device(), op,
+  KD_CHECK(N >= 1 && N <= kMaxNodes, op, ": N must be in [1, ", kMaxNodes, "], got ", N);
+  KD_CHECK(parents.device() == tokens.device() && target_tokens.device() == tokens.device(), op,
               ": all inputs must be on one device");
   const c10::cuda::CUDAGuard guard(tokens.device());
   at::Tensor indices = at::empty({R, N}, tokens.options().dtype(at::kInt));
@@ -388,22 +389,22 @@ void launch_commit(at::Tensor& kv, const at::Tensor& bt, const at::Tensor& lens,
 void kv_commit_cuda(at::Tensor kv_cache, const at::Tensor& block_table, const at::Tensor& cache_lens,
                     const at::Tensor& indices, const at::Tensor& lengths) {
   const char* op = "kdtree::kv_commit";
-  TORCH_CHECK(kv_cache.is_cuda(), op, ": kv_cache must be a CUDA tensor");
-  TORCH_CHECK(kv_cache.dim() == 4, op, ": kv_cache must be [num_layers, num_pages, page_size, D], got ",
+  KD_CHECK(kv_cache.is_cuda(), op, ": kv_cache must be a CUDA tensor");
+  KD_CHECK(kv_cache.dim() == 4, op, ": kv_cache must be [num_layers, num_pages, page_size, D], got ",
               kv_cache.sizes());
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kFloat ||
+  KD_CHECK(kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kFloat ||
                   kv_cache.scalar_type() == at::kHalf,
               op, ": kv_cache must be bfloat16, float16 or float32, got ", kv_cache.scalar_type());
-  TORCH_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
+  KD_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
   check_cuda(block_table, op, "block_table", at::kInt, 2);
   check_cuda(cache_lens, op, "cache_lens", at::kInt, 1);
   check_cuda(indices, op, "indices", at::kInt, 2);
   check_cuda(lengths, op, "lengths", at::kInt, 1);
   const int64_t R = block_table.size(0);
-  TORCH_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
+  KD_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
               ": block_table, cache_lens, indices and lengths must agree on R = ", R);
   for (const at::Tensor* t : {&block_table, &cache_lens, &indices, &lengths})
-    TORCH_CHECK(t->device() == kv_cache.device(), op, ": all inputs must be on one device");
+    KD_CHECK(t->device() == kv_cache.device(), op, ": all inputs must be on one device");
   if (R == 0 || kv_cache.numel() == 0 || indices.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   const int row_bytes = int(kv_cache.size(3) * kv_cache.element_size());

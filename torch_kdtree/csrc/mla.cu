@@ -30,6 +30,7 @@
 // Partial O (normalised, fp32) and log2-LSE go to a workspace sized from static shapes; a
 // combine kernel merges them in fixed split order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
+#include "check.h"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -512,10 +513,10 @@ int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_key
 
 void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, int dim) {
   constexpr const char* op = "kdtree::mla_tree_attention";
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, " (the CUDA kernel), got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, " (the CUDA kernel), got ", t.scalar_type());
+  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -529,33 +530,33 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   check_cuda(visible, "visible", at::kBool, 3);
   check_cuda(out, "out", at::kBFloat16, 4);
   const int64_t R = q.size(0), N = q.size(1), H = q.size(2);
-  TORCH_CHECK(q.size(3) == kD, op, ": q head dim must be ", kD, " (512 absorbed latent + 64 rope), got ", q.size(3));
-  TORCH_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
-  TORCH_CHECK(N >= 1 && H >= 1, op, ": q must have N >= 1 nodes and H >= 1 heads, got ", q.sizes());
-  TORCH_CHECK(block_table.size(0) == R && cache_lens.size(0) == R, op, ": block_table and cache_lens must have R = ",
+  KD_CHECK(q.size(3) == kD, op, ": q head dim must be ", kD, " (512 absorbed latent + 64 rope), got ", q.size(3));
+  KD_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
+  KD_CHECK(N >= 1 && H >= 1, op, ": q must have N >= 1 nodes and H >= 1 heads, got ", q.sizes());
+  KD_CHECK(block_table.size(0) == R && cache_lens.size(0) == R, op, ": block_table and cache_lens must have R = ",
               R, " rows");
-  TORCH_CHECK(visible.size(0) == R && visible.size(1) == N && visible.size(2) == N, op,
+  KD_CHECK(visible.size(0) == R && visible.size(1) == N && visible.size(2) == N, op,
               ": visible must be [R, N, N], got ", visible.sizes());
-  TORCH_CHECK(out.size(0) == R && out.size(1) == N && out.size(2) == H && out.size(3) == kDV, op,
+  KD_CHECK(out.size(0) == R && out.size(1) == N && out.size(2) == H && out.size(3) == kDV, op,
               ": out must be [R, N, H, ", kDV, "], got ", out.sizes());
   if (lse.has_value()) {
     check_cuda(*lse, "lse", at::kFloat, 3);
-    TORCH_CHECK(lse->size(0) == R && lse->size(1) == N && lse->size(2) == H, op, ": lse must be [R, N, H], got ",
+    KD_CHECK(lse->size(0) == R && lse->size(1) == N && lse->size(2) == H, op, ": lse must be [R, N, H], got ",
                 lse->sizes());
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kv_cache, &block_table, &cache_lens, &visible, &out})
-    TORCH_CHECK(t->device() == q.device(), op, ": all inputs must be on one device");
-  if (lse.has_value()) TORCH_CHECK(lse->device() == q.device(), op, ": all inputs must be on one device");
+    KD_CHECK(t->device() == q.device(), op, ": all inputs must be on one device");
+  if (lse.has_value()) KD_CHECK(lse->device() == q.device(), op, ": all inputs must be on one device");
   const int64_t num_pages = kv_cache.size(0), page_size = kv_cache.size(1), max_pages = block_table.size(1);
-  TORCH_CHECK(num_pages >= 1 && page_size >= 1, op, ": kv_cache must hold at least one page, got ", kv_cache.sizes());
+  KD_CHECK(num_pages >= 1 && page_size >= 1, op, ": kv_cache must hold at least one page, got ", kv_cache.sizes());
   const int64_t max_keys = max_pages * page_size;
-  TORCH_CHECK(max_keys >= N, op, ": block_table has ", max_pages, " pages per request, too few for the N = ", N,
+  KD_CHECK(max_keys >= N, op, ": block_table has ", max_pages, " pages per request, too few for the N = ", N,
               " tree entries with page_size ", page_size);
-  TORCH_CHECK(max_keys <= (int64_t(1) << 24), op, ": max_pages * page_size must be <= 2^24, got ", max_keys);
+  KD_CHECK(max_keys <= (int64_t(1) << 24), op, ": max_pages * page_size must be <= 2^24, got ", max_keys);
   const int64_t M = N * H;
-  TORCH_CHECK(M <= (int64_t(1) << 22) && R <= 65535, op, ": N * H must be <= 2^22 and R <= 65535");
+  KD_CHECK(M <= (int64_t(1) << 22) && R <= 65535, op, ": N * H must be <= 2^22 and R <= 65535");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kv_cache, &out})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
+    KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
   if (R == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -608,7 +609,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
 
 at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale) {
-  TORCH_CHECK(q.dim() == 4, "kdtree::mla_tree_attention: q must be [R, N, H, 576], got ", q.sizes());
+  KD_CHECK(q.dim() == 4, "kdtree::mla_tree_attention: q must be [R, N, H, 576], got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDV}, q.options());
   mla_tree_attention_out_cuda(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, std::nullopt);
   return out;

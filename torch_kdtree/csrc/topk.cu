@@ -31,6 +31,7 @@
 //
 // Every size is fixed by the shapes (workspace from the caching allocator, no host sync), so
 // all three ops can be captured in CUDA graphs.
+#include "check.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -535,16 +536,16 @@ void plan_chunks(int64_t V, int64_t k, int& S, int& C) {
 }
 
 void check_logits(const char* op, const at::Tensor& logits, int64_t k) {
-  TORCH_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got ", logits.device());
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat, op,
+  KD_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got ", logits.device());
+  KD_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat, op,
               ": logits must be bfloat16 or float32, got ", logits.scalar_type());
-  TORCH_CHECK(logits.dim() == 3, op, ": logits must have 3 dimensions [R, L, V], got shape ", logits.sizes());
-  TORCH_CHECK(logits.is_contiguous(), op, ": logits must be contiguous");
+  KD_CHECK(logits.dim() == 3, op, ": logits must have 3 dimensions [R, L, V], got shape ", logits.sizes());
+  KD_CHECK(logits.is_contiguous(), op, ": logits must be contiguous");
   const int64_t V = logits.size(2);
-  TORCH_CHECK(V >= 1 && V <= kMaxVocab, op, ": vocabulary size V = logits.shape[2] must be in [1, ", kMaxVocab,
+  KD_CHECK(V >= 1 && V <= kMaxVocab, op, ": vocabulary size V = logits.shape[2] must be in [1, ", kMaxVocab,
               "], got ", V);
-  TORCH_CHECK(k >= 1 && k <= kMaxK, op, ": k must be in [1, ", kMaxK, "], got ", k);
-  TORCH_CHECK(k <= V, op, ": k = ", k, " exceeds the vocabulary size V = ", V);
+  KD_CHECK(k >= 1 && k <= kMaxK, op, ": k must be in [1, ", kMaxK, "], got ", k);
+  KD_CHECK(k <= V, op, ": k = ", k, " exceeds the vocabulary size V = ", V);
 }
 
 template <typename Tr>
@@ -554,7 +555,7 @@ void launch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool 
   const int64_t rows = logits.size(0) * logits.size(1);
   const int64_t V = logits.size(2);
   if (rows == 0) return;
-  TORCH_CHECK(rows <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
+  KD_CHECK(rows <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
   int S, C;
   plan_chunks(V, k, S, C);
   auto opts = logits.options();
@@ -602,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_topk_partial_cuda(const at:
                                                                       int64_t vocab_start) {
   const char* op = "kdtree::draft_topk_partial";
   check_logits(op, logits, k);
-  TORCH_CHECK(vocab_start >= 0 && vocab_start + logits.size(2) - 1 <= INT32_MAX, op,
+  KD_CHECK(vocab_start >= 0 && vocab_start + logits.size(2) - 1 <= INT32_MAX, op,
               ": the shard's ids [vocab_start, vocab_start + V) must lie in [0, 2**31), got vocab_start = ",
               vocab_start);
   const int64_t R = logits.size(0), L = logits.size(1);
@@ -617,31 +618,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_topk_partial_cuda(const at:
 std::tuple<at::Tensor, at::Tensor> draft_topk_merge_cuda(const at::Tensor& values, const at::Tensor& token_ids,
                                                         const at::Tensor& lse, int64_t k) {
   const char* op = "kdtree::draft_topk_merge";
-  TORCH_CHECK(values.is_cuda() && token_ids.is_cuda() && lse.is_cuda(), op, ": inputs must be CUDA tensors");
-  TORCH_CHECK(values.device() == token_ids.device() && values.device() == lse.device(), op,
+  KD_CHECK(values.is_cuda() && token_ids.is_cuda() && lse.is_cuda(), op, ": inputs must be CUDA tensors");
+  KD_CHECK(values.device() == token_ids.device() && values.device() == lse.device(), op,
               ": all inputs must be on one device");
-  TORCH_CHECK(values.scalar_type() == at::kFloat, op, ": values must be float32, got ", values.scalar_type());
-  TORCH_CHECK(token_ids.scalar_type() == at::kLong, op, ": token_ids must be int64, got ", token_ids.scalar_type());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK(values.dim() == 4, op, ": values must have 4 dimensions [P, R, L, k_in], got shape ", values.sizes());
-  TORCH_CHECK(token_ids.sizes() == values.sizes(), op, ": token_ids shape ", token_ids.sizes(), " != values shape ",
+  KD_CHECK(values.scalar_type() == at::kFloat, op, ": values must be float32, got ", values.scalar_type());
+  KD_CHECK(token_ids.scalar_type() == at::kLong, op, ": token_ids must be int64, got ", token_ids.scalar_type());
+  KD_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  KD_CHECK(values.dim() == 4, op, ": values must have 4 dimensions [P, R, L, k_in], got shape ", values.sizes());
+  KD_CHECK(token_ids.sizes() == values.sizes(), op, ": token_ids shape ", token_ids.sizes(), " != values shape ",
               values.sizes());
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == values.size(0) && lse.size(1) == values.size(1) &&
+  KD_CHECK(lse.dim() == 3 && lse.size(0) == values.size(0) && lse.size(1) == values.size(1) &&
                   lse.size(2) == values.size(2),
               op, ": lse must have shape [P, R, L], got ", lse.sizes());
-  TORCH_CHECK(values.is_contiguous() && token_ids.is_contiguous() && lse.is_contiguous(), op,
+  KD_CHECK(values.is_contiguous() && token_ids.is_contiguous() && lse.is_contiguous(), op,
               ": values, token_ids and lse must be contiguous");
   const int64_t P = values.size(0), R = values.size(1), L = values.size(2), kin = values.size(3);
-  TORCH_CHECK(P >= 1 && kin >= 1, op, ": need at least one part with at least one entry");
-  TORCH_CHECK(k >= 1 && k <= kMaxK, op, ": k must be in [1, ", kMaxK, "], got ", k);
-  TORCH_CHECK(k <= P * kin, op, ": k = ", k, " exceeds the ", P, " x ", kin, " candidates");
-  TORCH_CHECK(P * kin <= (int64_t(1) << 30), op, ": too many candidates per row (P * k_in = ", P * kin, ")");
+  KD_CHECK(P >= 1 && kin >= 1, op, ": need at least one part with at least one entry");
+  KD_CHECK(k >= 1 && k <= kMaxK, op, ": k must be in [1, ", kMaxK, "], got ", k);
+  KD_CHECK(k <= P * kin, op, ": k = ", k, " exceeds the ", P, " x ", kin, " candidates");
+  KD_CHECK(P * kin <= (int64_t(1) << 30), op, ": too many candidates per row (P * k_in = ", P * kin, ")");
   const c10::cuda::CUDAGuard guard(values.device());
   auto opts = values.options();
   at::Tensor logprobs = at::empty({R, L, k}, opts);
   at::Tensor ids = at::empty({R, L, k}, opts.dtype(at::kLong));
   const int64_t rows = R * L;
-  TORCH_CHECK(rows <= INT32_MAX, op, ": R * L = ", rows, " rows is too many for one launch");
+  KD_CHECK(rows <= INT32_MAX, op, ": R * L = ", rows, " rows is too many for one launch");
   if (rows > 0) {
     topk_merge_kernel<<<unsigned(rows), kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         values.data_ptr<float>(), token_ids.data_ptr<int64_t>(), lse.data_ptr<float>(), int(P), rows, int(kin),
