@@ -16,8 +16,24 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor indices, Tensor lengths) -> ()");
 
   // ---- draft top-K (ops/topk.py, csrc/topk.cu) ----
+  // Fused log-softmax + top-K over the vocabulary (ranked by float32 logit, ties lower id first).
+  m.def("draft_topk(Tensor logits, int k) -> (Tensor logprobs, Tensor token_ids)");
+  // One vocabulary shard: its top-k raw logits, global ids and its log-sum-exp.
+  m.def("draft_topk_partial(Tensor logits, int k, int vocab_start)"
+        " -> (Tensor values, Tensor token_ids, Tensor lse)");
+  // Merge P shards' partial results [P, R, L, k_in] into the unsplit top-k.
+  m.def("draft_topk_merge(Tensor values, Tensor token_ids, Tensor lse, int k)"
+        " -> (Tensor logprobs, Tensor token_ids)");
 
   // ---- MLA tree attention (ops/mla.py, csrc/mla.cu) ----
+  // Absorbed-MLA attention of N tree nodes x H heads over one layer's paged latent cache
+  // (d_k 576 = 512 latent + 64 rope, d_v 512): node i sees positions [0, cache_lens[r]) and
+  // tree node j (stored at cache_lens[r] + j) iff visible[r, i, j].
+  m.def("mla_tree_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale) -> Tensor");
+  // Same, into caller-owned out [R, N, H, 512] and optionally lse float32 [R, N, H] (natural log).
+  m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
   // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the

@@ -2,13 +2,14 @@
 // restated in torch_kdtree/ops/ddtree.py, whose pure-torch references these must equal bit for bit).
 //
 // ddtree_build: one block per request.  Warp 0 runs the best-first loop; the other warps clear
-// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (one pop depends on the
+// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (each pop depends on the
 // last), so the candidate set lives mostly in registers: a sorted list of up to 32 keys, one
-// per lane, where a pop is one shuffle and an insert is one ballot and one shuffle.  Keys that
-// do not fit go to an unsorted overflow pool in shared memory whose best key is tracked; a pop
-// takes min(list head, pool best), and only a pop from the pool rescans it (warp-parallel).
-// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word =
-// parent << 10 | rank, which is exactly the reference's order (score desc, parent asc, rank asc).
+// per lane.  A step pops the head and merges the (at most two) new candidates, its sibling and
+// first child, with two ballots and a few shuffles.  Keys pushed past lane 31 go to an unsorted
+// overflow pool in shared memory whose best key is tracked; a pop takes min(list head, pool
+// best), and only a pop from the pool rescans it (warp-parallel, 32-bit redux).
+// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word starts with
+// parent, then rank, which is exactly the reference's order (score desc, parent asc, rank asc).
 //
 // tree_accept: one block per request; every node tests itself against its parent's target
 // token in parallel (children of one node carry distinct tokens, ties go to the lower index),
@@ -17,6 +18,7 @@
 // kv_commit: one thread per (layer, request, 16-byte column chunk) copies the accepted rows in
 // path order.  Reading a batch of rows before writing it is safe because a path's indices are
 // increasing, so row j's source (>= j) is never a row an earlier j' < j writes.  Pure bandwidth.
+#include "check.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -43,8 +45,10 @@ __device__ __forceinline__ uint32_t orderable(float f) {
 __device__ __forceinline__ float from_orderable(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
-__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank) {
-  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 10) | uint32_t(rank);
+// Low word: parent (11 bits) | rank (10 bits) | depth (6 bits).  Depth is a function of the
+// parent, so it never decides an order; it rides along to save a shared-memory load.
+__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank, int depth) {
+  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 16) | (uint32_t(rank) << 6) | uint32_t(depth);
 }
 __device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
   return __shfl_sync(0xffffffffu, v, src);
@@ -91,8 +95,8 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
     auto lp_at = [&](int d, int rank) -> float {
       return rank < kc ? sh.lp[d * kc + rank] : __ldg(lp_g + d * K + rank);
     };
-    uint64_t key = lane == 0 ? make_key(lp_at(0, 0), 0, 0) : kEmpty;  // sorted list, one per lane
-    int cnt = 1;
+    const float lp_first = lane < L ? sh.lp[lane * kc] : 0.0f;  // lp[d][0], read by shuffle
+    uint64_t key = lane == 0 ? make_key(lp_first, 0, 0, 1) : kEmpty;  // sorted list, one per lane
     int pool_size = 0;
     uint64_t pool_best = kEmpty;
     int pool_best_idx = -1;
@@ -102,70 +106,85 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       sh.node_rank[0] = 0;
       sh.node_depth[0] = 0;
     }
-    int n = 1;
-    // Inserting x either enters the list (evicting its tail to the pool when full) or goes to
-    // the pool; a pop below looks at both, so no ordering between list and pool is needed.
-    auto insert = [&](uint64_t x) {
-      const uint64_t tail = shfl64(key, 31);
-      if (cnt == 32 && x >= tail) {
-        if (lane == 0) sh.pool[pool_size] = x;
-        if (x < pool_best) { pool_best = x; pool_best_idx = pool_size; }
-        ++pool_size;
-        return;
+    __syncwarp();
+    // Every lane stores the same value to the same shared address (no divergent lane-0
+    // branch, and each lane later reads back what it wrote itself, so no __syncwarp).
+    auto push_pool = [&](uint64_t x) {
+      if (x == kEmpty) return;
+      sh.pool[pool_size] = x;
+      if (x < pool_best) {
+        pool_best = x;
+        pool_best_idx = pool_size;
       }
-      const int pos = __popc(__ballot_sync(0xffffffffu, key < x));
-      const uint64_t up = __shfl_up_sync(0xffffffffu, key, 1);
-      if (cnt == 32) {
-        if (lane == 0) sh.pool[pool_size] = tail;
-        if (tail < pool_best) { pool_best = tail; pool_best_idx = pool_size; }
-        ++pool_size;
-      } else {
-        ++cnt;
-      }
-      key = lane < pos ? key : (lane == pos ? x : up);
+      ++pool_size;
     };
+    int n = 1;
     while (n < N) {
+      // Neighbours in the list, fetched before they are needed (they depend only on `key`).
       const uint64_t head = shfl64(key, 0);
-      uint64_t c;
-      if (pool_best < head) {
-        c = pool_best;
-        __syncwarp();
-        if (lane == 0) sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
-        --pool_size;
-        __syncwarp();
-        uint64_t best = kEmpty;
-        for (int i = lane; i < pool_size; i += 32) best = sh.pool[i] < best ? sh.pool[i] : best;
-        pool_best = warp_min64(best);
-        int idx = 0x7fffffff;
-        if (pool_best != kEmpty)
-          for (int i = lane; i < pool_size; i += 32)
-            if (sh.pool[i] == pool_best) idx = i;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) idx = min(idx, __shfl_xor_sync(0xffffffffu, idx, off));
-        pool_best_idx = pool_best == kEmpty ? -1 : idx;
-      } else if (head != kEmpty) {
-        c = head;
-        key = __shfl_down_sync(0xffffffffu, key, 1);
-        if (lane == 31) key = kEmpty;
-        --cnt;
-      } else {
-        break;  // no candidates left: fewer than B nodes exist
-      }
+      uint64_t down1 = __shfl_down_sync(0xffffffffu, key, 1);
+      const uint64_t up1 = __shfl_up_sync(0xffffffffu, key, 1);
+      const uint64_t up2 = __shfl_up_sync(0xffffffffu, key, 2);
+      const uint64_t tail = shfl64(key, 31), tail1 = shfl64(key, 30);
+      if (lane == 31) down1 = kEmpty;
+      const bool from_pool = pool_best < head;
+      const uint64_t c = from_pool ? pool_best : head;
+      if (c == kEmpty) break;  // no candidates left: fewer than B nodes exist
       const float s = from_orderable(~uint32_t(c >> 32));
-      const int p = int((uint32_t(c) >> 10) & 0x7ff);
-      const int rank = int(uint32_t(c) & 0x3ff);
-      const int d = sh.node_depth[p] + 1;
+      const uint32_t lo = uint32_t(c);
+      const int p = int(lo >> 16);
+      const int rank = int((lo >> 6) & 0x3ff);
+      const int d = int(lo & 0x3f);
       const float sp = sh.node_score[p];
-      __syncwarp();
-      if (lane == 0) {
-        sh.node_score[n] = s;
-        sh.node_parent[n] = int16_t(p);
-        sh.node_rank[n] = int16_t(rank);
-        sh.node_depth[n] = int8_t(d);
+      const float lp_sib = rank + 1 < K ? lp_at(d - 1, rank + 1) : 0.0f;
+      const float lp_child = __shfl_sync(0xffffffffu, lp_first, d & 31);
+      uint64_t a = rank + 1 < K ? make_key(__fadd_rn(sp, lp_sib), p, rank + 1, d) : kEmpty;
+      uint64_t b = d < L ? make_key(__fadd_rn(s, lp_child), n, 0, d + 1) : kEmpty;
+      if (b < a) {
+        const uint64_t t = a;
+        a = b;
+        b = t;
       }
-      __syncwarp();
-      if (rank + 1 < K) insert(make_key(__fadd_rn(sp, lp_at(d - 1, rank + 1)), p, rank + 1));
-      if (d < L) insert(make_key(__fadd_rn(s, lp_at(d, 0)), n, 0));
+      sh.node_score[n] = s;
+      sh.node_parent[n] = int16_t(p);
+      sh.node_rank[n] = int16_t(rank);
+      sh.node_depth[n] = int8_t(d);
+      // Merge: M = (list minus its head if popped from it) + {a, b}, sorted; the list keeps
+      // M[0..31] and M[32..] goes to the pool.  a sits at pa, b at pb + 1.
+      const int drop = from_pool ? 0 : 1;
+      const int pa = __popc(__ballot_sync(0xffffffffu, key < a)) - drop;
+      const int pb = __popc(__ballot_sync(0xffffffffu, key < b)) - drop;
+      auto merged_at = [&](int i, uint64_t same, uint64_t prev, uint64_t prev2, uint64_t next) -> uint64_t {
+        if (i == pa) return a;
+        if (i == pb + 1) return b;
+        const int src_off = drop - (i > pa) - (i > pb + 1);  // old index = i + src_off
+        return src_off == 1 ? next : src_off == 0 ? same : src_off == -1 ? prev : prev2;
+      };
+      const uint64_t m = merged_at(lane, key, up1, up2, down1);
+      // M[32] and M[33]: their old-list sources are lanes 30..31 (or past the end).
+      const uint64_t ov0 = merged_at(32, kEmpty, tail, tail1, kEmpty);
+      const uint64_t ov1 = from_pool ? merged_at(33, kEmpty, kEmpty, tail, kEmpty) : kEmpty;
+      key = m;
+      if (from_pool) {
+        sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
+        --pool_size;
+        // Rescan the pool for its best key: lane-local min, then 32-bit warp reductions.
+        uint64_t best = kEmpty;
+        int best_i = 0x7fffffff;
+        for (int i = lane; i < pool_size; i += 32) {
+          const uint64_t v = sh.pool[i];
+          if (v < best) {
+            best = v;
+            best_i = i;
+          }
+        }
+        const uint32_t hi_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32));
+        const uint32_t lo_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32) == hi_min ? uint32_t(best) : ~0u);
+        pool_best = (uint64_t(hi_min) << 32) | lo_min;
+        pool_best_idx = int(__reduce_min_sync(0xffffffffu, best == pool_best ? uint32_t(best_i) : ~0u));
+      }
+      push_pool(ov0);
+      push_pool(ov1);
       ++n;
     }
     if (lane == 0) sh.num_nodes = n;
@@ -290,10 +309,10 @@ __global__ void kv_commit_kernel(V* __restrict__ cache, const int32_t* __restric
 }
 
 void check_cuda(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
@@ -302,14 +321,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
   check_cuda(logprobs, op, "logprobs", at::kFloat, 3);
   check_cuda(token_ids, op, "token_ids", at::kLong, 3);
   check_cuda(root_tokens, op, "root_tokens", at::kLong, 1);
-  TORCH_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
+  KD_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
               " != logprobs shape ", logprobs.sizes());
   const int64_t R = logprobs.size(0), L = logprobs.size(1), K = logprobs.size(2);
-  TORCH_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
-  TORCH_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
-  TORCH_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
-  TORCH_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
-  TORCH_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
+  KD_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
+  KD_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
+  KD_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
+  KD_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
+  KD_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
               op, ": all inputs must be on one device");
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const int64_t N = budget + 1;
@@ -334,12 +353,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_accept_cuda(const at::Tensor
   check_cuda(tokens, op, "tokens", at::kLong, 2);
   check_cuda(parents, op, "parents", at::kInt, 2);
   check_cuda(target_tokens, op, "target_tokens", at::kLong, 2);
-  TORCH_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
+  KD_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
               ": tokens, parents and target_tokens must share one [R, N] shape, got ", tokens.sizes(), ", ",
               parents.sizes(), ", ", target_tokens.sizes());
   const int64_t R = tokens.size(0), N = tokens.size(1);
-  TORCH_CHECK(N >= 1 && N <= kMaxNodes, op, ": N must be in [1, ", kMaxNodes, "], got ", N);
-  TORCH_CHECK(parents.device() == tokens.device() && target_tokens.device() == tokens.device(), op,
+  KD_CHECK(N >= 1 && N <= kMaxNodes, op, ": N must be in [1, ", kMaxNodes, "], got ", N);
+  KD_CHECK(parents.device() == tokens.device() && target_tokens.device() == tokens.device(), op,
               ": all inputs must be on one device");
   const c10::cuda::CUDAGuard guard(tokens.device());
   at::Tensor indices = at::empty({R, N}, tokens.options().dtype(at::kInt));
@@ -370,22 +389,22 @@ void launch_commit(at::Tensor& kv, const at::Tensor& bt, const at::Tensor& lens,
 void kv_commit_cuda(at::Tensor kv_cache, const at::Tensor& block_table, const at::Tensor& cache_lens,
                     const at::Tensor& indices, const at::Tensor& lengths) {
   const char* op = "kdtree::kv_commit";
-  TORCH_CHECK(kv_cache.is_cuda(), op, ": kv_cache must be a CUDA tensor");
-  TORCH_CHECK(kv_cache.dim() == 4, op, ": kv_cache must be [num_layers, num_pages, page_size, D], got ",
+  KD_CHECK(kv_cache.is_cuda(), op, ": kv_cache must be a CUDA tensor");
+  KD_CHECK(kv_cache.dim() == 4, op, ": kv_cache must be [num_layers, num_pages, page_size, D], got ",
               kv_cache.sizes());
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kFloat ||
+  KD_CHECK(kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kFloat ||
                   kv_cache.scalar_type() == at::kHalf,
               op, ": kv_cache must be bfloat16, float16 or float32, got ", kv_cache.scalar_type());
-  TORCH_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
+  KD_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
   check_cuda(block_table, op, "block_table", at::kInt, 2);
   check_cuda(cache_lens, op, "cache_lens", at::kInt, 1);
   check_cuda(indices, op, "indices", at::kInt, 2);
   check_cuda(lengths, op, "lengths", at::kInt, 1);
   const int64_t R = block_table.size(0);
-  TORCH_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
+  KD_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
               ": block_table, cache_lens, indices and lengths must agree on R = ", R);
   for (const at::Tensor* t : {&block_table, &cache_lens, &indices, &lengths})
-    TORCH_CHECK(t->device() == kv_cache.device(), op, ": all inputs must be on one device");
+    KD_CHECK(t->device() == kv_cache.device(), op, ": all inputs must be on one device");
   if (R == 0 || kv_cache.numel() == 0 || indices.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   const int row_bytes = int(kv_cache.size(3) * kv_cache.element_size());

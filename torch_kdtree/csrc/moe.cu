@@ -24,6 +24,7 @@
 // Bounds: decode sizes stream the touched experts' weights (0.5 byte per weight + 1/16 for the
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
 // No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB).
+#include "check.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -584,32 +585,32 @@ Workspace workspace_layout(int64_t T, int64_t topk, int64_t E, int64_t H, int64_
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0, op, ": ", name,
+  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  KD_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0, op, ": ", name,
               " must be 16-byte aligned");
 }
 
 std::tuple<at::Tensor, at::Tensor> int4_repack_cuda(const at::Tensor& packed, const at::Tensor& scale,
                                                     int64_t group_size) {
   const char* op = "kdtree::int4_repack";
-  TORCH_CHECK(packed.is_cuda() && scale.is_cuda() && packed.device() == scale.device(), op,
+  KD_CHECK(packed.is_cuda() && scale.is_cuda() && packed.device() == scale.device(), op,
               ": packed and scale must be on one CUDA device");
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.is_contiguous(), op,
+  KD_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.is_contiguous(), op,
               ": packed must be a contiguous int32 [E, N, K/8] tensor");
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.dim() == 3 && scale.is_contiguous(), op,
+  KD_CHECK(scale.scalar_type() == at::kBFloat16 && scale.dim() == 3 && scale.is_contiguous(), op,
               ": scale must be a contiguous bfloat16 [E, N, K/group] tensor");
-  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op, ": group_size must be 32, 64 or 128, got ",
+  KD_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op, ": group_size must be 32, 64 or 128, got ",
               group_size);
   const int64_t E = packed.size(0), N = packed.size(1), K = packed.size(2) * 8;
-  TORCH_CHECK(N % 16 == 0, op, ": N = ", N, " output channels must be a multiple of 16");
-  TORCH_CHECK(K % kTileK == 0 && K % group_size == 0, op, ": K = ", K,
+  KD_CHECK(N % 16 == 0, op, ": N = ", N, " output channels must be a multiple of 16");
+  KD_CHECK(K % kTileK == 0 && K % group_size == 0, op, ": K = ", K,
               " input channels must be a multiple of 64 and of the group size ", group_size);
-  TORCH_CHECK(scale.size(0) == E && scale.size(1) == N && scale.size(2) == K / group_size, op,
+  KD_CHECK(scale.size(0) == E && scale.size(1) == N && scale.size(2) == K / group_size, op,
               ": scale must be [E, N, K/group] = [", E, ", ", N, ", ", K / group_size, "], got ", scale.sizes());
-  TORCH_CHECK(N * K < (int64_t(1) << 40), op, ": tensor too large");
+  KD_CHECK(N * K < (int64_t(1) << 40), op, ": tensor too large");
   const c10::cuda::CUDAGuard guard(packed.device());
   const int64_t MT = N / 16, KC = K / kTileK, G = K / group_size;
   at::Tensor qweight = at::empty({E, MT, KC, 128}, packed.options());
@@ -691,13 +692,13 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   check_cuda_tensor(w13_s, op, "w13_scales", at::kBFloat16, 4);
   check_cuda_tensor(w2_q, op, "w2_qweight", at::kInt, 4);
   check_cuda_tensor(w2_s, op, "w2_scales", at::kBFloat16, 4);
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong, op,
+  KD_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong, op,
               ": topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
   check_cuda_tensor(topk_ids, op, "topk_ids", topk_ids.scalar_type(), 2);
   check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
   const at::Device dev = x.device();
   for (const at::Tensor* t : {&w13_q, &w13_s, &w2_q, &w2_s, &topk_ids, &topk_weights})
-    TORCH_CHECK(t->device() == dev, op, ": all inputs must be on one device");
+    KD_CHECK(t->device() == dev, op, ": all inputs must be on one device");
   MoeDims d{};
   d.T = x.size(0);
   d.H = x.size(1);
@@ -707,39 +708,39 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   d.num_global = d.E;
   if (expert_map.has_value()) {
     check_cuda_tensor(*expert_map, op, "expert_map", at::kInt, 1);
-    TORCH_CHECK(expert_map->device() == dev, op, ": all inputs must be on one device");
+    KD_CHECK(expert_map->device() == dev, op, ": all inputs must be on one device");
     d.num_global = expert_map->size(0);
   }
-  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
+  KD_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
               ": group_size must be 32, 64 or 128, got ", group_size);
-  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32 || block_size == 64, op,
+  KD_CHECK(block_size == 8 || block_size == 16 || block_size == 32 || block_size == 64, op,
               ": block_size must be 8, 16, 32 or 64, got ", block_size);
-  TORCH_CHECK(d.E >= 1 && d.E <= kMaxExperts, op, ": the number of local experts must be in [1, ", kMaxExperts,
+  KD_CHECK(d.E >= 1 && d.E <= kMaxExperts, op, ": the number of local experts must be in [1, ", kMaxExperts,
               "], got ", d.E);
-  TORCH_CHECK(d.num_global <= (int64_t(1) << 30), op, ": expert_map too long");
-  TORCH_CHECK(d.H % kCtaN == 0 && d.H % group_size == 0, op, ": hidden size H = ", d.H,
+  KD_CHECK(d.num_global <= (int64_t(1) << 30), op, ": expert_map too long");
+  KD_CHECK(d.H % kCtaN == 0 && d.H % group_size == 0, op, ": hidden size H = ", d.H,
               " must be a multiple of 128 and of ", group_size);
-  TORCH_CHECK(d.I > 0 && d.I % kTileK == 0 && d.I % group_size == 0, op, ": intermediate size I = ", d.I,
+  KD_CHECK(d.I > 0 && d.I % kTileK == 0 && d.I % group_size == 0, op, ": intermediate size I = ", d.I,
               " must be a positive multiple of 64 and of ", group_size);
   const int64_t E = d.E, H = d.H, I = d.I;
-  TORCH_CHECK(w13_q.sizes().vec() == std::vector<int64_t>({E, 2 * I / 16, H / 64, 128}), op,
+  KD_CHECK(w13_q.sizes().vec() == std::vector<int64_t>({E, 2 * I / 16, H / 64, 128}), op,
               ": w13_qweight must be [", E, ", ", 2 * I / 16, ", ", H / 64, ", 128], got ", w13_q.sizes());
-  TORCH_CHECK(w13_s.sizes().vec() == std::vector<int64_t>({E, 2 * I / 16, H / group_size, 16}), op,
+  KD_CHECK(w13_s.sizes().vec() == std::vector<int64_t>({E, 2 * I / 16, H / group_size, 16}), op,
               ": w13_scales must be [", E, ", ", 2 * I / 16, ", ", H / group_size, ", 16], got ", w13_s.sizes());
-  TORCH_CHECK(w2_q.sizes().vec() == std::vector<int64_t>({E, H / 16, I / 64, 128}), op, ": w2_qweight must be [", E,
+  KD_CHECK(w2_q.sizes().vec() == std::vector<int64_t>({E, H / 16, I / 64, 128}), op, ": w2_qweight must be [", E,
               ", ", H / 16, ", ", I / 64, ", 128], got ", w2_q.sizes());
-  TORCH_CHECK(w2_s.sizes().vec() == std::vector<int64_t>({E, H / 16, I / group_size, 16}), op,
+  KD_CHECK(w2_s.sizes().vec() == std::vector<int64_t>({E, H / 16, I / group_size, 16}), op,
               ": w2_scales must be [", E, ", ", H / 16, ", ", I / group_size, ", 16], got ", w2_s.sizes());
-  TORCH_CHECK(topk_ids.size(0) == d.T && topk_weights.sizes() == topk_ids.sizes(), op,
+  KD_CHECK(topk_ids.size(0) == d.T && topk_weights.sizes() == topk_ids.sizes(), op,
               ": topk_ids and topk_weights must both be [T = ", d.T, ", k], got ", topk_ids.sizes(), " and ",
               topk_weights.sizes());
-  TORCH_CHECK(d.topk >= 1 && d.topk <= kMaxTopk, op, ": top-k must be in [1, ", kMaxTopk, "], got ", d.topk);
+  KD_CHECK(d.topk >= 1 && d.topk <= kMaxTopk, op, ": top-k must be in [1, ", kMaxTopk, "], got ", d.topk);
   const int64_t max_splits = std::min<int64_t>(kMaxSplits, H / kTileK);
-  TORCH_CHECK(k_splits >= 1 && k_splits <= max_splits, op, ": k_splits must be in [1, ", max_splits, "], got ",
+  KD_CHECK(k_splits >= 1 && k_splits <= max_splits, op, ": k_splits must be in [1, ", max_splits, "], got ",
               k_splits);
-  TORCH_CHECK(d.T * d.topk < (int64_t(1) << 30), op, ": too many tokens");
+  KD_CHECK(d.T * d.topk < (int64_t(1) << 30), op, ": too many tokens");
   const Workspace w = workspace_layout(d.T, d.topk, E, H, I, block_size, k_splits);
-  TORCH_CHECK(w.B <= 65535, op, ": too many expert blocks (", w.B, ") for block_size ", block_size);
+  KD_CHECK(w.B <= 65535, op, ": too many expert blocks (", w.B, ") for block_size ", block_size);
   return d;
 }
 
@@ -824,11 +825,11 @@ void int4_moe_out_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at::T
                                      block_size, k_splits);
   check_cuda_tensor(out, op, "out", at::kBFloat16, 2);
   check_cuda_tensor(workspace, op, "workspace", at::kByte, 1);
-  TORCH_CHECK(out.device() == x.device() && workspace.device() == x.device(), op,
+  KD_CHECK(out.device() == x.device() && workspace.device() == x.device(), op,
               ": all inputs must be on one device");
-  TORCH_CHECK(out.sizes() == x.sizes(), op, ": out must be [T, H] = ", x.sizes(), ", got ", out.sizes());
+  KD_CHECK(out.sizes() == x.sizes(), op, ": out must be [T, H] = ", x.sizes(), ", got ", out.sizes());
   const int64_t need = workspace_layout(d.T, d.topk, d.E, d.H, d.I, block_size, k_splits).total;
-  TORCH_CHECK(workspace.numel() >= need, op, ": workspace has ", workspace.numel(), " bytes, this shape needs ", need,
+  KD_CHECK(workspace.numel() >= need, op, ": workspace has ", workspace.numel(), " bytes, this shape needs ", need,
               " (int4_moe_plan(...).workspace_bytes)");
   moe_forward(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size, block_size, k_splits,
               workspace, out);

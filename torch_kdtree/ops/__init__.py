@@ -4,8 +4,11 @@ from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_co
                      tree_accept, tree_accept_reference)
 
 # ---- draft top-K ----
+from .topk import (PartialTopK, TopK, draft_topk, draft_topk_merge, draft_topk_merge_reference, draft_topk_partial,
+                   draft_topk_partial_reference, draft_topk_reference)
 
 # ---- MLA tree attention ----
+from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_attention_reference
 
 # ---- INT4 MoE ----
 from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,

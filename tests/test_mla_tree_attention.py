@@ -1,0 +1,366 @@
+"""kdtree::mla_tree_attention: the reference against independent oracles, the CUDA kernel against the
+reference, and the op's behaviour under opcheck, torch.compile and CUDA graphs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .conftest import requires_cuda
+from torch_kdtree.ops import ddtree_build, mla_tree_attention, mla_tree_attention_reference
+
+D, DV = 576, 512
+SCALE = 0.144680  # K2 with YaRN factor 64 (kimi_k2.md)
+
+
+def random_tree_visible(R, N, gen, device="cpu"):
+    """visible [R, N, N] of DDTree trees built by ddtree_build from random sorted log-probs."""
+    if N == 1:
+        return torch.ones(R, 1, 1, dtype=torch.bool, device=device)
+    L = min(16, N - 1)
+    K = min(8, N - 1)
+    lp = torch.randn(R, L, K, generator=gen).sort(dim=-1, descending=True).values.log_softmax(-1)
+    ids = torch.randint(0, 1000, (R, L, K), generator=gen)
+    roots = torch.randint(0, 1000, (R,), generator=gen)
+    tree = ddtree_build(lp.to(device), ids.to(device), roots.to(device), N - 1)
+    return tree.visible
+
+
+def chain_visible(R, N, device="cpu"):
+    return torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(R, N, N).contiguous()
+
+
+def make_case(R, N, H, page_size, lens, gen, dtype=torch.bfloat16, device="cpu", visible=None, extra_pages=2):
+    """Random logical sequences [lens[r] + N, 576] per request, scattered over shuffled physical pages.
+
+    Returns (q, kv_cache, block_table, cache_lens, visible, logical) where logical[r] is request r's
+    sequence in position order (what the oracles read, never through the block table)."""
+    logical = [torch.randn(L + N, D, generator=gen).to(dtype) for L in lens]
+    need = [(L + N + page_size - 1) // page_size for L in lens]
+    max_pages = max(need) + 1
+    num_pages = sum(need) + extra_pages
+    perm = torch.randperm(num_pages, generator=gen)
+    kv = torch.full((num_pages, page_size, D), float("nan"), dtype=dtype)  # slots past a length must never be read
+    bt = torch.full((R, max_pages), -1, dtype=torch.int32)
+    nxt = 0
+    for r, L in enumerate(lens):
+        pages = perm[nxt: nxt + need[r]]
+        nxt += need[r]
+        bt[r, : need[r]] = pages.to(torch.int32)
+        flat = torch.zeros(need[r] * page_size, D, dtype=dtype)
+        flat[: L + N] = logical[r]
+        kv[pages] = flat.view(need[r], page_size, D)
+    # pages of a request past its length point at a valid page (as a real allocator may leave them)
+    bt[bt < 0] = int(perm[0])
+    q = torch.randn(R, N, H, D, generator=gen).to(dtype)
+    cache_lens = torch.tensor(lens, dtype=torch.int32)
+    if visible is None:
+        visible = random_tree_visible(R, N, gen)
+    return (q.to(device), kv.to(device), bt.to(device), cache_lens.to(device), visible.to(device),
+            [x.to(device) for x in logical])
+
+
+def oracle(q, visible, logical, lens, scale):
+    """float64, one (request, node) at a time: keys = the whole prefix + the visible tree entries."""
+    R, N, H, _ = q.shape
+    out = torch.zeros(R, N, H, DV, dtype=torch.float64)
+    lse = torch.zeros(R, N, H, dtype=torch.float64)
+    for r in range(R):
+        seq = logical[r].double().cpu()
+        L = lens[r]
+        for i in range(N):
+            keys = torch.cat([seq[:L], seq[L:][visible[r, i].cpu()]])
+            s = q[r, i].double().cpu() @ keys.T * scale  # [H, keys]
+            lse[r, i] = torch.logsumexp(s, -1)
+            out[r, i] = torch.softmax(s, -1) @ keys[:, :DV]
+    return out, lse
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-3)])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_reference_matches_float64_oracle_on_ddtree_trees(fresh_seed, dtype, tol, page_size):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    lens = [0, 37, 130]
+    q, kv, bt, cl, vis, logical = make_case(3, 9, 4, page_size, lens, gen, dtype=dtype)
+    out, lse = mla_tree_attention(q, kv, bt, cl, vis, SCALE, return_lse=True)
+    assert out.dtype == dtype and out.shape == (3, 9, 4, DV)
+    ref_out, ref_lse = oracle(q, vis, logical, lens, SCALE)
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(lse, ref_lse) < 1e-5
+
+
+def test_single_node_equals_plain_decode_attention(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    lens = [50, 3]
+    q, kv, bt, cl, vis, logical = make_case(2, 1, 8, 16, lens, gen, dtype=torch.float32)
+    out = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    for r in range(2):
+        keys = logical[r]  # prefix + the node itself
+        want = F.scaled_dot_product_attention(q[r, 0][:, None, :], keys[None].expand(8, -1, -1),
+                                              keys[None, :, :DV].expand(8, -1, -1), scale=SCALE)
+        torch.testing.assert_close(out[r, 0], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_chain_tree_equals_causal_attention(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    lens = [40, 0]
+    N, H = 7, 4
+    q, kv, bt, cl, vis, logical = make_case(2, N, H, 8, lens, gen, dtype=torch.float32, visible=chain_visible(2, N))
+    out = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    for r, L in enumerate(lens):
+        # causal attention over the whole sequence; the prefix queries are arbitrary
+        q_full = torch.cat([torch.randn(L, H, D, generator=gen), q[r]]).transpose(0, 1)  # [H, L+N, D]
+        keys = logical[r][None].expand(H, -1, -1)
+        want = F.scaled_dot_product_attention(q_full, keys, keys[..., :DV], is_causal=True, scale=SCALE)
+        torch.testing.assert_close(out[r], want[:, L:].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_out_variant_writes_out_and_lse_like_the_functional_op(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, kv, bt, cl, vis, logical = make_case(2, 5, 2, 4, [9, 21], gen)
+    out = torch.full((2, 5, 2, DV), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 5, 2), float("nan"))
+    got = mla_tree_attention(q, kv, bt, cl, vis, SCALE, out=out)
+    assert got is out
+    torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, cl, vis, SCALE, out, lse)
+    want = torch.ops.kdtree.mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    assert torch.equal(out, want)
+    _, ref_lse = oracle(q, vis, logical, [9, 21], SCALE)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+def test_row_that_sees_nothing_gives_zero_and_minus_inf_lse():
+    gen = torch.Generator().manual_seed(0)
+    vis = torch.eye(3, dtype=torch.bool)[None].clone()
+    vis[0, 1, 1] = False
+    q, kv, bt, cl, vis, _ = make_case(1, 3, 2, 4, [0], gen, visible=vis)
+    out, lse = mla_tree_attention(q, kv, bt, cl, vis, SCALE, return_lse=True)
+    assert torch.equal(out[0, 1], torch.zeros(2, DV, dtype=out.dtype)) and (lse[0, 1] == float("-inf")).all()
+    assert torch.isfinite(lse[0, 0]).all() and torch.isfinite(lse[0, 2]).all()
+
+
+def _bad_case():
+    gen = torch.Generator().manual_seed(1)
+    return make_case(2, 3, 2, 4, [5, 6], gen)
+
+
+@pytest.mark.parametrize("mutate,err,match", [
+    (lambda a: a.update(q=a["q"][..., :512].contiguous()), ValueError, "head dim must be 576"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][..., :512].contiguous()), ValueError, r"\[num_pages, page_size, 576\]"),
+    (lambda a: a.update(block_table=a["block_table"][:, :2].contiguous()), ValueError, "too few"),
+    (lambda a: a.update(cache_lens=torch.tensor([5, -1], dtype=torch.int32)), ValueError, "non-negative"),
+    (lambda a: a.update(block_table=a["block_table"] + 1000), ValueError, "page ids"),
+    (lambda a: a.update(q=a["q"].half()), TypeError, "q must be"),
+    (lambda a: a.update(kv_cache=a["kv_cache"].float()), TypeError, "must equal q dtype"),
+    (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table must be torch.int32"),
+    (lambda a: a.update(cache_lens=a["cache_lens"].long()), TypeError, "cache_lens must be torch.int32"),
+    (lambda a: a.update(visible=a["visible"].to(torch.uint8)), TypeError, "visible must be torch.bool"),
+    (lambda a: a.update(visible=a["visible"][:, :2].contiguous()), ValueError, r"visible must be \[R, N, N\]"),
+    (lambda a: a.update(cache_lens=a["cache_lens"][:1].contiguous()), ValueError, "R = 2 rows"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2)), ValueError, "contiguous"),
+])
+def test_bad_inputs_raise_clear_errors(mutate, err, match):
+    q, kv, bt, cl, vis, _ = _bad_case()
+    args = dict(q=q, kv_cache=kv, block_table=bt, cache_lens=cl, visible=vis)
+    mutate(args)
+    with pytest.raises(err, match=match):
+        mla_tree_attention(args["q"], args["kv_cache"], args["block_table"], args["cache_lens"], args["visible"], SCALE)
+
+
+def test_bad_out_buffers_raise_clear_errors():
+    q, kv, bt, cl, vis, _ = _bad_case()
+    with pytest.raises(ValueError, match="out must be"):
+        mla_tree_attention(q, kv, bt, cl, vis, SCALE, out=torch.empty(2, 3, 2, 576, dtype=q.dtype))
+    with pytest.raises(TypeError, match="out must be"):
+        mla_tree_attention(q, kv, bt, cl, vis, SCALE, out=torch.empty(2, 3, 2, DV))
+
+
+def test_opcheck_cpu():
+    gen = torch.Generator().manual_seed(2)
+    q, kv, bt, cl, vis, _ = make_case(2, 4, 2, 8, [11, 3], gen)
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention.default, (q, kv, bt, cl, vis, SCALE))
+    out = torch.empty(2, 4, 2, DV, dtype=q.dtype)
+    lse = torch.empty(2, 4, 2)
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, None))
+
+
+def test_torch_compile_fullgraph_cpu(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, kv, bt, cl, vis, _ = make_case(2, 4, 2, 8, [11, 3], gen, dtype=torch.float32)
+
+    def step(q, kv, bt, cl, vis, out):
+        o = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+        o2, lse = mla_tree_attention(q * 2, kv, bt, cl, vis, SCALE, out=out, return_lse=True)
+        return o + 1, o2, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    got = compiled(q, kv, bt, cl, vis, torch.empty(2, 4, 2, DV))
+    want = step(q, kv, bt, cl, vis, torch.empty(2, 4, 2, DV))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the kernel against the reference (fresh inputs every run, outputs poisoned first)
+# ---------------------------------------------------------------------------------------------
+
+BF16_TOL = 1e-2  # ||out - ref|| / ||ref||: P and out are rounded to bf16 (about 2e-3 seen in emulation)
+
+
+def _cuda_case(R, N, H, page_size, lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    vis = random_tree_visible(R, N, gen, device="cuda")  # the CUDA ddtree_build kernel
+    return make_case(R, N, H, page_size, lens, gen, device="cuda", visible=vis)
+
+
+def _reference_on_cuda(q, kv, bt, cl, vis):
+    """(out, lse) of the pure-torch reference, run on the CUDA tensors themselves (float32 math)."""
+    from torch_kdtree.ops.mla import _attend
+    return _attend(q, kv, bt, cl, vis, SCALE)
+
+
+def _kernel_vs_reference(q, kv, bt, cl, vis):
+    R, N, H, _ = q.shape
+    out = torch.full((R, N, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((R, N, H), float("nan"), device="cuda")
+    torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, cl, vis, SCALE, out, lse)
+    ref, ref_lse = _reference_on_cuda(q, kv, bt, cl, vis)
+    assert not torch.isnan(out).any(), "unwritten or NaN outputs"
+    err = rel_err(out, ref)
+    assert err < BF16_TOL, f"relative error {err:.3e}"
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3)
+    assert torch.equal(torch.ops.kdtree.mla_tree_attention(q, kv, bt, cl, vis, SCALE), out)
+    return err
+
+
+@requires_cuda
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("R,N,H,lens", [
+    (1, 1, 8, [700]),                 # decode, 8 rows: the 16-row tile, split over the sequence
+    (3, 5, 8, [0, 333, 2000]),        # ragged, an empty prefix, tree tiles straddling pages
+    (2, 17, 16, [4097, 65]),          # 272 rows: several 64-row blocks, one partial
+    (1, 3, 128, [1500]),              # H = 128
+    (2, 64, 8, [100, 3000]),          # 512 rows
+])
+def test_cuda_kernel_matches_reference(fresh_seed, page_size, R, N, H, lens):
+    _kernel_vs_reference(*_cuda_case(R, N, H, page_size, lens, fresh_seed)[:5])
+
+
+@requires_cuda
+@pytest.mark.parametrize("H", [8, 32, 64])
+def test_cuda_kernel_matches_reference_at_1025_nodes(fresh_seed, H):
+    _kernel_vs_reference(*_cuda_case(2, 1025, H, 64, [3000, 40], fresh_seed)[:5])
+
+
+@requires_cuda
+@pytest.mark.parametrize("N,H", [(1, 8), (16, 8), (4, 64)])
+def test_cuda_kernel_matches_reference_past_128k_context(fresh_seed, N, H):
+    _kernel_vs_reference(*_cuda_case(2, N, H, 256, [131072 + 4321, 9000], fresh_seed)[:5])
+
+
+@requires_cuda
+def test_cuda_single_node_equals_plain_decode_attention(fresh_seed):
+    q, kv, bt, cl, vis, logical = _cuda_case(2, 1, 64, 64, [5000, 77], fresh_seed)
+    out = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    for r in range(2):
+        keys = logical[r].float()
+        want = F.scaled_dot_product_attention(q[r, 0].float()[:, None], keys[None].expand(64, -1, -1),
+                                              keys[None, :, :DV].expand(64, -1, -1), scale=SCALE)[:, 0]
+        assert rel_err(out[r, 0], want) < BF16_TOL
+
+
+@requires_cuda
+def test_cuda_chain_tree_equals_causal_attention(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    N, H, L = 40, 8, 3000
+    q, kv, bt, cl, vis, logical = make_case(1, N, H, 64, [L], gen, device="cuda", visible=chain_visible(1, N))
+    out = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    q_full = torch.cat([torch.randn(L, H, D, device="cuda"), q[0].float()]).transpose(0, 1)
+    keys = logical[0].float()[None].expand(H, -1, -1)
+    want = F.scaled_dot_product_attention(q_full, keys, keys[..., :DV], is_causal=True, scale=SCALE)
+    assert rel_err(out[0], want[:, L:].transpose(0, 1)) < BF16_TOL
+
+
+@requires_cuda
+def test_cuda_kernel_is_deterministic(fresh_seed):
+    q, kv, bt, cl, vis, _ = _cuda_case(1, 2, 8, 16, [50000], fresh_seed)  # many splits and a combine
+    a = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    b = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_cuda_bad_inputs_raise_clear_errors():
+    q, kv, bt, cl, vis, _ = _cuda_case(1, 2, 8, 16, [10], 0)
+    with pytest.raises(RuntimeError, match="(?i)bfloat16"):
+        torch.ops.kdtree.mla_tree_attention(q.float(), kv.float(), bt, cl, vis, SCALE)
+    with pytest.raises(RuntimeError, match="head dim must be 576"):
+        torch.ops.kdtree.mla_tree_attention(q[..., :512].contiguous(), kv, bt, cl, vis, SCALE)
+    with pytest.raises(RuntimeError, match="too few"):
+        torch.ops.kdtree.mla_tree_attention(q, kv, bt[:, :0].contiguous(), cl, vis, SCALE)
+    with pytest.raises(ValueError, match="too few"):
+        mla_tree_attention(q, kv, bt[:, :1].contiguous(), cl, vis, SCALE)  # eager value check in the wrapper
+
+
+@requires_cuda
+def test_opcheck_cuda():
+    q, kv, bt, cl, vis, _ = _cuda_case(2, 4, 8, 16, [300, 7], 3)
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention.default, (q, kv, bt, cl, vis, SCALE))
+    out = torch.empty(2, 4, 8, DV, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 8, device="cuda")
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, None))
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_cuda(fresh_seed):
+    q, kv, bt, cl, vis, _ = _cuda_case(2, 8, 16, 64, [1000, 20000], fresh_seed)
+
+    def step(q, kv, bt, cl, vis, out):
+        o, lse = mla_tree_attention(q, kv, bt, cl, vis, SCALE, out=out, return_lse=True)
+        return o.float().sum(-1), lse + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(q, kv, bt, cl, vis, torch.empty(2, 8, 16, DV, device="cuda", dtype=torch.bfloat16))
+    want = step(q, kv, bt, cl, vis, torch.empty(2, 8, 16, DV, device="cuda", dtype=torch.bfloat16))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@requires_cuda
+def test_cuda_graph_replays_with_changed_lengths(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    R, N, H, page_size = 2, 16, 8, 64
+    # the block table covers 40k positions; lengths change between replays, shapes never do
+    q, kv, bt, cl, vis, _ = make_case(R, N, H, page_size, [40000 - N, 40000 - N], gen, device="cuda",
+                                      visible=random_tree_visible(R, N, gen, device="cuda"))
+    out = torch.full((R, N, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(R, N, H, device="cuda")
+    static_lens = torch.tensor([10, 10], dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse)
+    for lens in ([10, 10], [39000, 5], [0, 25000], [40000 - N, 257]):
+        static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = _reference_on_cuda(q, kv, bt, static_lens, vis)[0]
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < BF16_TOL, lens

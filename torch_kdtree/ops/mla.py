@@ -1,0 +1,169 @@
+"""Tree-verify MLA attention: ``kdtree::mla_tree_attention`` and ``kdtree::mla_tree_attention_out``.
+
+Absorbed MLA (kimi_k2.md) is MQA with d_k = 576 (512 latent + 64 rope) and d_v = 512 (the
+latent part of the same cache row).  N tree nodes of R requests attend over one layer's paged
+latent cache: node i sees every committed position [0, cache_lens[r]) and tree node j (whose
+entry is already stored at position cache_lens[r] + j) iff visible[r, i, j].
+
+:func:`mla_tree_attention_reference` is the ground truth and the CPU kernel of both ops; the
+CUDA kernel (csrc/mla.cu) is compared with it by relative error.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import check_same_device, check_tensor, value_checks_active
+
+KV_DIM = 576  # latent (512) + rope (64): the key dimension
+V_DIM = 512  # the latent part of a cache row is the value
+_FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+_SCORES_PER_CHUNK = 1 << 24  # bounds the reference's float32 score tile (64 MiB)
+
+
+def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=None, lse=None) -> None:
+    op = "mla_tree_attention"
+    check_tensor(op, "q", q, _FLOAT_DTYPES, 4)
+    check_tensor(op, "kv_cache", kv_cache, _FLOAT_DTYPES, 3)
+    check_tensor(op, "block_table", block_table, torch.int32, 2)
+    check_tensor(op, "cache_lens", cache_lens, torch.int32, 1)
+    check_tensor(op, "visible", visible, torch.bool, 3)
+    check_same_device(op, q=q, kv_cache=kv_cache, block_table=block_table, cache_lens=cache_lens, visible=visible)
+    R, N, H, D = q.shape
+    if D != KV_DIM:
+        raise ValueError(f"{op}: q head dim must be {KV_DIM} (512 absorbed latent + 64 rope), got {D}")
+    if kv_cache.shape[2] != KV_DIM:
+        raise ValueError(f"{op}: kv_cache must be [num_pages, page_size, {KV_DIM}], got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if N < 1 or H < 1:
+        raise ValueError(f"{op}: q must have N >= 1 nodes and H >= 1 heads, got shape {tuple(q.shape)}")
+    if block_table.shape[0] != R or cache_lens.shape[0] != R:
+        raise ValueError(f"{op}: block_table and cache_lens must have R = {R} rows, got "
+                         f"{block_table.shape[0]} and {cache_lens.shape[0]}")
+    if tuple(visible.shape) != (R, N, N):
+        raise ValueError(f"{op}: visible must be [R, N, N] = {(R, N, N)}, got {tuple(visible.shape)}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{op}: softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if out is not None:
+        check_tensor(op, "out", out, q.dtype, 4)
+        check_same_device(op, q=q, out=out)
+        if tuple(out.shape) != (R, N, H, V_DIM):
+            raise ValueError(f"{op}: out must be [R, N, H, {V_DIM}] = {(R, N, H, V_DIM)}, got {tuple(out.shape)}")
+    if lse is not None:
+        check_tensor(op, "lse", lse, torch.float32, 3)
+        check_same_device(op, q=q, lse=lse)
+        if tuple(lse.shape) != (R, N, H):
+            raise ValueError(f"{op}: lse must be [R, N, H] = {(R, N, H)}, got {tuple(lse.shape)}")
+    if not value_checks_active(cache_lens) or R == 0:
+        return
+    num_pages, page_size, _ = kv_cache.shape
+    if (cache_lens < 0).any():
+        raise ValueError(f"{op}: cache_lens must be non-negative")
+    need_pages = (cache_lens.long() + N + page_size - 1) // page_size
+    if (need_pages > block_table.shape[1]).any():
+        raise ValueError(f"{op}: block_table has {block_table.shape[1]} pages per request, too few for "
+                         f"cache_lens + N = {int(cache_lens.max()) + N} positions with page_size {page_size}")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need_pages[:, None]
+    if (used & ((block_table < 0) | (block_table >= num_pages))).any():
+        raise ValueError(f"{op}: block_table entries covering cache_lens + N positions must be page ids "
+                         f"in [0, {num_pages})")
+
+
+def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
+    """(out in q's dtype [R, N, H, 512], lse float32 [R, N, H]) by gathering and a float32 softmax."""
+    R, N, H, _ = q.shape
+    page_size = kv_cache.shape[1]
+    out = torch.empty((R, N, H, V_DIM), dtype=q.dtype, device=q.device)
+    lse = torch.empty((R, N, H), dtype=torch.float32, device=q.device)
+    for r in range(R):
+        L = int(cache_lens[r])
+        pos = torch.arange(L + N, device=q.device)
+        pages = block_table[r].long()[pos // page_size]
+        keys = kv_cache[pages, pos % page_size].float()  # [L + N, 576]
+        values = keys[:, :V_DIM]
+        chunk = max(1, _SCORES_PER_CHUNK // (H * (L + N)))
+        for n0 in range(0, N, chunk):
+            n1 = min(N, n0 + chunk)
+            s = torch.einsum("nhd,kd->nhk", q[r, n0:n1].float(), keys) * float(softmax_scale)
+            s[:, :, L:].masked_fill_(~visible[r, n0:n1, None, :], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)  # [n, H]; -inf for a row that sees nothing
+            p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])
+            out[r, n0:n1] = (p @ values).to(q.dtype)
+            lse[r, n0:n1] = m
+    return out, lse
+
+
+def mla_tree_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                 cache_lens: torch.Tensor, visible: torch.Tensor,
+                                 softmax_scale: float) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention``."""
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+    return _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)[0]
+
+
+def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse) -> None:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention_out``."""
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
+    o, m = _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(m)
+
+
+def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                       visible: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
+                       return_lse: bool = False):
+    """Absorbed-MLA attention of N tree nodes over one layer's paged latent KV cache.
+
+    Args:
+        q: [R, N, H, 576] bfloat16 (float32 accepted by the CPU kernel): per node and head the
+            absorbed query q_nope·W_UK (512) followed by the rotated rope query (64). Contiguous.
+        kv_cache: [num_pages, page_size, 576], q's dtype: one layer of the latent cache, rows
+            ``[kv_a_layernorm(c) (512) | rope(k_rope) (64)]``; e.g. ``cache[layer]`` of the
+            contiguous all-layer tensor [num_layers, num_pages, page_size, 576].
+        block_table: int32 [R, max_pages], logical page -> physical page; must cover
+            cache_lens[r] + N positions.
+        cache_lens: int32 [R], committed prefix length (on the device; one CUDA graph serves
+            every step). Tree node j's entry is already stored at position cache_lens[r] + j.
+        visible: bool [R, N, N]; node i sees tree node j iff visible[r, i, j] (``Tree.visible``:
+            ancestor-or-self). Every committed position is visible to every node.
+        softmax_scale: multiplies q·k before the softmax (K2: 192**-0.5 · mscale², kimi_k2.md).
+        out: optional caller-owned [R, N, H, 512] output in q's dtype (the hot path: no allocation).
+        return_lse: also return the log-sum-exp float32 [R, N, H] (natural log, scaled scores).
+
+    Returns ``out`` [R, N, H, 512] = softmax(scale · q·kᵀ over the visible keys) · v with v the
+    first 512 dims of each key, or ``(out, lse)`` when ``return_lse``. A row that sees no key
+    (only possible when cache_lens[r] = 0 and visible[r, i] is all false) gives 0 and lse -inf.
+    Ops: ``kdtree::mla_tree_attention`` (functional) and ``kdtree::mla_tree_attention_out``
+    (writes ``out`` and, when given, ``lse``; returns nothing).
+    """
+    if out is None and not return_lse:
+        _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+        return torch.ops.kdtree.mla_tree_attention(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale))
+    if out is None:
+        out = q.new_empty((*q.shape[:3], V_DIM))
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
+    torch.ops.kdtree.mla_tree_attention_out(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale),
+                                            out, lse)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# registration: CPU kernels (the reference) and fake kernels
+# --------------------------------------------------------------------------------------------
+
+torch.library.register_kernel("kdtree::mla_tree_attention", "cpu", mla_tree_attention_reference)
+torch.library.register_kernel("kdtree::mla_tree_attention_out", "cpu", mla_tree_attention_out_reference)
+
+
+@torch.library.register_fake("kdtree::mla_tree_attention")
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
+    return q.new_empty((*q.shape[:3], V_DIM))
+
+
+@torch.library.register_fake("kdtree::mla_tree_attention_out")
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse):
+    return None
