@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import requires_cuda
+from .conftest import requires_cuda
 from torch_kdtree.ops import (Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
                               int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack)
 
