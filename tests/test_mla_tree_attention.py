@@ -310,7 +310,8 @@ def test_cuda_bad_inputs_raise_clear_errors():
     with pytest.raises(RuntimeError, match="too few"):
         torch.ops.kdtree.mla_tree_attention(q, kv, bt[:, :0].contiguous(), cl, vis, SCALE)
     with pytest.raises(ValueError, match="too few"):
-        mla_tree_attention(q, kv, bt[:, :1].contiguous(), cl, vis, SCALE)  # eager value check in the wrapper
+        # eager value check in the wrapper: 30 committed + 2 nodes need 2 pages of 16, the table has 1
+        mla_tree_attention(q, kv, bt[:, :1].contiguous(), cl + 20, vis, SCALE)
 
 
 @requires_cuda
