@@ -163,15 +163,19 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     model = target(31)
     ids, mask = prompts(2, 31, left=False)
     outs = []
-    for compile_step in (False, "aot_eager"):
+    try:
+        for compile_step in (False, "aot_eager"):
+            torch._dynamo.reset()
+            drafter = make_drafter("oracle_60_inner", model, 2, 4)
+            session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
+                                        compile_step=compile_step)
+            session.prefill(ids, mask.sum(1), max_new=12, eos=[])
+            for i in range(6):
+                session.step(0 if i == 2 else 5)  # an autoregressive step in between
+            outs.append(session.tokens())
+    finally:  # leave no compiled state or counters to later tests
         torch._dynamo.reset()
-        drafter = make_drafter("oracle_60_inner", model, 2, 4)
-        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
-                                    compile_step=compile_step)
-        session.prefill(ids, mask.sum(1), max_new=12, eos=[])
-        for i in range(6):
-            session.step(0 if i == 2 else 5)  # an autoregressive step in between
-        outs.append(session.tokens())
+        torch._dynamo.utils.counters.clear()
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
