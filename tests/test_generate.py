@@ -536,7 +536,7 @@ def test_cuda_no_host_sync_inside_steps(budget):
     session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=64, budgets=(budget,),
                                 mode=SamplingMode(do_sample=True))
     ids, mask = prompts(2, 94, left=False)
-    session.prefill(ids, mask.sum(1), max_new=64, eos=[2], sampling=(0.8, 0, 1.0))
+    session.prefill(ids, mask.sum(1), max_new=64, eos=[], sampling=(0.8, 0, 1.0))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -251,8 +251,12 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
     elif drafter is not None and hasattr(drafter, "attach"):
         drafter.attach(model, session.cache)
     sessions[key] = session  # most recently used last
-    if measure and session.step_seconds is None:
-        session.step_seconds = session.measure_step_seconds(budgets)
+    if measure and session.step_seconds is None:  # measured once per drafter, batch size and budgets
+        measured = model.__dict__.setdefault("_ddtree_step_seconds", {})
+        timing_key = (id(drafter), R, tuple(budgets), mode, page_size, cuda_graphs, compile_step)
+        if timing_key not in measured:
+            measured[timing_key] = session.measure_step_seconds(budgets)
+        session.step_seconds = measured[timing_key]
     return session
 
 
