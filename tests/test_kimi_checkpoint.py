@@ -16,10 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import torch_kdtree  # noqa: F401  (mounts torch_kdtree.models)
+from conftest import requires_cuda
 from torch_kdtree.models.kimi_k2 import checkpoint as ckpt_mod
 from torch_kdtree.models.kimi_k2.checkpoint import (CheckpointError, MissingShardError, load_checkpoint,
                                                     parse_quantization_config)
-from torch_kdtree.models.kimi_k2.writer import K2_QUANTIZATION_CONFIG, _tensor_specs, pack_int4, write_random_checkpoint
+from torch_kdtree.models.kimi_k2.writer import (K2_QUANTIZATION_CONFIG, _tensor_specs, compressed_tensors_layout, pack_int4,
+                                                unpack_int4, write_random_checkpoint)
 
 # --------------------------------------------------------------------------- independent helpers
 
@@ -125,6 +127,7 @@ def test_int4_packing_matches_the_format_definition_and_compressed_tensors():
     assert torch.equal(unpack_int4_explicit(packed, q.shape), q.to(torch.int64))
     assert torch.equal(packed, ct.pack_to_int32(q, 4))
     assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size(q.shape)), q)
+    assert torch.equal(unpack_int4(packed), q)
     # lowest nibble first, stored as q + 8: [-8, -7, ..., -1] -> nibbles 0..7 -> 0x76543210
     assert pack_int4(torch.arange(-8, 0, dtype=torch.int8)[None]).item() == 0x76543210
 
@@ -205,6 +208,18 @@ def test_k25_wrapper_nests_the_text_config_and_prefixes_tensor_names(tmp_path):
     assert others and all(n.startswith(("vision_tower.", "mm_projector.")) for n in others)
     assert "language_model.lm_head.weight" in names
     assert "language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed" in names
+
+
+def test_writer_takes_a_kimi_config_and_writes_it_back_in_the_k2_layout(tmp_path):
+    from torch_kdtree.models.kimi_k2 import KimiK2Config
+    from torch_kdtree.models.kimi_k2.writer import k2_config_dict
+    config = KimiK2Config.from_dict(k2_config_dict({"num_hidden_layers": 2, "n_routed_experts": 4, "rope_theta": 1e4}))
+    written = write_random_checkpoint(tmp_path, config, int4=False, num_shards=1)
+    assert (written["num_hidden_layers"], written["n_routed_experts"], written["rope_theta"]) == (2, 4, 1e4)
+    assert written["rope_scaling"]["type"] == "yarn" and written["torch_dtype"] == "bfloat16"
+    assert "quantization_config" not in written and written["model_type"] == "kimi_k2"
+    reread = KimiK2Config.from_pretrained(tmp_path)
+    assert reread.num_hidden_layers == 2 and reread.rope_parameters["factor"] == 64.0
 
 
 # --------------------------------------------------------------------------- quantization_config parsing
@@ -464,9 +479,9 @@ def test_index_naming_a_tensor_its_shard_lacks_is_refused(int4_dir):
     ("model.layers.1.self_attn.q_b_proj.weight", lambda t: t[:-1],
      r"wrong shape for model\.layers\.1\.self_attn\.q_b_proj\.weight.*expected \[96, 32\]"),
     ("model.layers.2.mlp.experts.0.down_proj.weight_packed", lambda t: t[:, :4],
-     r"wrong shape for model\.layers\.2\.mlp\.experts\.0\.down_proj\.weight_packed.*\[64, 4\], expected \[64, 8\]"),
-    ("model.layers.2.mlp.experts.7.down_proj.weight_shape", lambda t: torch.tensor([64, 32], dtype=torch.int32),
-     r"wrong value for model\.layers\.2\.mlp\.experts\.7\.down_proj\.weight_shape: \[64, 32\], expected \[64, 64\]"),
+     r"wrong shape for model\.layers\.2\.mlp\.experts\.0\.down_proj\.weight_packed.*\[128, 4\], expected \[128, 8\]"),
+    ("model.layers.2.mlp.experts.7.down_proj.weight_shape", lambda t: torch.tensor([128, 32], dtype=torch.int32),
+     r"wrong value for model\.layers\.2\.mlp\.experts\.7\.down_proj\.weight_shape: \[128, 32\], expected \[128, 64\]"),
 ])
 def test_wrong_dtype_shape_or_value_is_named(int4_dir, name, change, message):
     _rewrite(int4_dir, name, change)
@@ -531,6 +546,20 @@ def _compressed_tensors_encoder():
         return {k: out[k] for k in ("weight_packed", "weight_scale", "weight_shape")}
 
     return encode, pq.PackedQuantizationCompressor, scheme
+
+
+def test_default_int4_files_equal_explicit_packing_and_the_compressed_tensors_compressor(tmp_path):
+    encode, _, _ = _compressed_tensors_encoder()
+    for sub, encoder in (("fast", None), ("ours", compressed_tensors_layout), ("ct", encode)):
+        write_random_checkpoint(tmp_path / sub, int4=True, num_shards=2, seed=8, int4_encoder=encoder)
+    fast, ours, ct = (read_all(tmp_path / sub) for sub in ("fast", "ours", "ct"))
+    assert fast.keys() == ours.keys() == ct.keys()
+    for k in fast:
+        assert torch.equal(fast[k], ours[k]), k
+        if k.endswith("weight_shape"):   # the package stores the shape as int64
+            assert ct[k].tolist() == fast[k].tolist(), k
+        else:
+            assert torch.equal(fast[k], ct[k]), k
 
 
 def test_experts_packed_by_compressed_tensors_load_and_dequantise_identically(tmp_path):
@@ -686,3 +715,32 @@ def test_int4_experts_written_by_compressed_tensors_dequantise_to_its_reference(
                 exact = compressor.decompress({**parts, "weight_scale": parts["weight_scale"].float()}, scheme)
                 assert torch.equal(got[j][e], exact["weight"]), base
                 assert torch.equal(got[j][e].bfloat16(), bf16), base
+
+
+def test_progress_bar_runs_over_the_shards(tmp_path, monkeypatch):
+    write_random_checkpoint(tmp_path, int4=True, num_shards=3)
+    bars = []
+
+    def fake_tqdm(iterable, **kw):
+        bars.append((list(iterable), kw))
+        return bars[-1][0]
+
+    monkeypatch.setattr(ckpt_mod, "tqdm", fake_tqdm)
+    _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path)
+    (files, kw), = bars
+    assert [Path(f).name for f in files] == [f"model-0000{i}-of-000003.safetensors" for i in (1, 2, 3)]
+    assert kw["unit"] == "shard" and not kw["disable"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("int4", [True, False], ids=["int4", "bf16"])
+def test_from_pretrained_onto_cuda_reproduces_every_written_tensor(tmp_path, int4):
+    write_random_checkpoint(tmp_path, int4=int4, num_shards=3, seed=37)
+    model = _kimi().KimiK2ForCausalLM.from_pretrained(tmp_path, device="cuda", progress=False)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert all(t.is_cuda for t in tensors)
+    _check_model_matches_files(model.cpu(), tmp_path, torch.bfloat16, int4)
+    model.cuda()
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), device="cuda")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits.float()).all()

@@ -69,6 +69,9 @@ INT4_QUANTIZATION = {
 }
 
 
+INT4_SIZES = {"hidden_size": 128}  # int4_moe tiles: H a multiple of 128, I of 64
+
+
 def make_model(seed: int = 0, **overrides) -> KimiK2ForCausalLM:
     torch.manual_seed(seed)
     model = KimiK2ForCausalLM(KimiK2Config.from_dict(k2_config_dict(**overrides))).float().eval()
@@ -166,11 +169,15 @@ def test_config_reads_k25_wrapper_text_core():
     assert "tensor_prefix" not in c.to_dict()
 
 
-def test_config_refuses_other_routing():
+def test_config_refuses_math_it_does_not_implement():
     with pytest.raises(ValueError, match="topk_method='greedy'"):
         KimiK2Config.from_dict(k2_config_dict(topk_method="greedy"))
     with pytest.raises(ValueError, match="scoring_func='softmax'"):
         KimiK2Config.from_dict(k2_config_dict(scoring_func="softmax"))
+    with pytest.raises(ValueError, match="moe_layer_freq=2"):
+        KimiK2Config.from_dict(k2_config_dict(moe_layer_freq=2))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        KimiK2Config.from_dict(k2_config_dict(hidden_act="gelu"))
 
 
 def test_auto_classes_pick_ours_without_trust_remote_code(tmp_path):
@@ -258,16 +265,19 @@ def test_absorbed_decode_reproduces_prefill_logits_at_every_position():
     assert cache.lengths.tolist() == [12, 12]
 
 
-def test_prefill_continues_after_a_committed_prefix():
+def test_prefill_continues_after_ragged_committed_prefixes():
     model = make_model(9)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10))
-    cache = KimiK2Cache.for_model(model, 2, 16, page_size=5, dtype=torch.float32)
-    with torch.no_grad():
-        full = model(ids).logits
-        head = model(ids[:, :5], cache=cache).logits
-        cache.advance(5)
-        tail = model(ids[:, 5:], cache=cache).logits
-    assert rel_err(torch.cat([head, tail], 1), full) <= 1e-5
+    g = torch.Generator().manual_seed(10)
+    heads = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 2)]
+    tails = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    cache = prefilled_cache(model, heads, page_size=3)
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    for r, t in enumerate(tails):
+        ids[r, : len(t)] = t
+    logits = model(ids, cache=cache, input_lengths=torch.tensor([4, 7])).logits
+    for r in range(2):
+        alone = model(torch.cat([heads[r], tails[r]])[None]).logits[0, len(heads[r]):]
+        assert rel_err(logits[r, : len(tails[r])], alone) <= 1e-5
 
 
 def test_tree_pass_over_a_chain_equals_decoding_one_by_one():
@@ -381,7 +391,7 @@ def _random_int4(E: int, N: int, K: int, g: torch.Generator):
 
 
 def test_int4_experts_equal_the_dense_path_on_dequantised_weights():
-    int4_model = make_model(16, quantization_config=INT4_QUANTIZATION)
+    int4_model = make_model(16, **INT4_SIZES, quantization_config=INT4_QUANTIZATION)
     dense_model = copy.deepcopy(int4_model)
     g = torch.Generator().manual_seed(17)
     for (name, experts), dense in zip(
@@ -476,14 +486,21 @@ def test_heads_and_expert_slices_sharded_from_outside_sum_to_the_whole():
     assert rel_err(sum(parts), experts(tokens, ids, weights)) <= 1e-5
 
 
-def test_router_and_rope_frequencies_stay_fp32_when_the_model_is_cast():
-    model = make_model(19)
+def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
+    model = make_model(19, **INT4_SIZES)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+    experts = model.model.layers[2].mlp.experts
+    E, I, H = experts.gate_proj.shape
+    g = torch.Generator().manual_seed(20)
+    experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
     model = model.to(torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
+    model = model.float()
+    assert experts.w13_scales.dtype == torch.bfloat16 and experts.w2_qweight.dtype == torch.int32
+    assert model.model.layers[1].mlp.experts.gate_proj.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,6 +522,7 @@ def test_decode_step_compiles_fullgraph_and_matches_eager():
     tokens = torch.randint(0, VOCAB, (2, 4), generator=g)
     visible = torch.ones(2, 1, 1, dtype=torch.bool)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         for t in range(4):
@@ -517,6 +535,49 @@ def test_decode_step_compiles_fullgraph_and_matches_eager():
 
 
 GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the kernel's smallest head count
+requires_int4_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")),
+    reason="needs a CUDA device and the kdtree::int4_moe CUDA kernel")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
+    model = make_model(34, **GPU_HEADS)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(35))
+    want = model(ids).logits
+    gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    grouped_calls = 0
+    grouped = KimiK2Experts._grouped
+
+    def counting(self, *args):
+        nonlocal grouped_calls
+        grouped_calls += 1
+        return grouped(self, *args)
+
+    monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
+    got = gpu(ids.cuda()).logits
+    assert rel_err(got.float().cpu(), want) <= 5e-2
+    assert grouped_calls == 2  # both MoE layers took the grouped_mm path
+    cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
+    paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
+    assert rel_err(paged.float(), got.float()) <= 2e-2
+
+
+@requires_int4_cuda
+def test_cuda_int4_experts_match_dense_on_dequantised_weights():
+    int4_model = make_model(36, **INT4_SIZES, **GPU_HEADS)
+    dense_model = copy.deepcopy(int4_model)
+    g = torch.Generator().manual_seed(37)
+    for experts, dense in zip([m for m in int4_model.modules() if isinstance(m, KimiK2Experts)],
+                              [m for m in dense_model.modules() if isinstance(m, KimiK2Experts)]):
+        E, I, H = experts.gate_proj.shape
+        weights = [_random_int4(E, I, H, g), _random_int4(E, I, H, g), _random_int4(E, H, I, g)]
+        experts.set_int4(*(t for w in weights for t in w))
+        dense.set_dense(*(int4_dequantize(*w, 32) for w in weights))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=g).cuda()
+    int4_model.to("cuda", torch.bfloat16)
+    dense_model.to("cuda", torch.bfloat16)
+    assert rel_err(int4_model(ids).logits.float(), dense_model(ids).logits.float()) <= 3e-2
 
 
 @requires_mla_cuda

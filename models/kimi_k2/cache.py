@@ -118,9 +118,12 @@ class KimiK2Cache(nn.Module):
         return page * self.page_size + positions % self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
-        """Store ``entries`` [..., D] at the flat ``slots`` [...] of ``layer``."""
-        flat = self.kv[layer].view(-1, self.kv.shape[-1])
-        flat.index_copy_(0, slots.reshape(-1), entries.reshape(-1, flat.shape[-1]).to(flat.dtype))
+        """Store ``entries`` [..., D] at the flat ``slots`` [...] of ``layer``.  One ``index_put_``
+        on the whole ``kv`` tensor (not on a view of it): inductor then writes in place instead
+        of copying the cache in and out of the compiled step."""
+        slots = slots.reshape(-1)
+        index = (torch.full_like(slots, layer), slots // self.page_size, slots % self.page_size)
+        self.kv.index_put_(index, entries.reshape(-1, self.kv.shape[-1]).to(self.kv.dtype))
 
     def read(self, layer: int, num_tokens: int) -> torch.Tensor:
         """[R, num_tokens, D]: the entries at positions 0..num_tokens-1 of every request (positions

@@ -10,8 +10,9 @@ so :class:`KimiK2Config` is transformers' ``DeepseekV3Config`` under our model t
   written by transformers 5); ``rope_type: deepseek_yarn`` is YaRN.  :func:`rope_parameters`
   reads either form once, and :func:`yarn_mscale` / :meth:`KimiK2Config.softmax_scale` derive
   the attention scale from it.
-- Routing must be ``noaux_tc`` with sigmoid scores (the only routing this model implements);
-  anything else is refused by name instead of being run with the wrong math.
+- Routing must be ``noaux_tc`` with sigmoid scores, every layer past ``first_k_dense_replace``
+  MoE, SiLU MLPs (the only math this model implements); anything else is refused by name
+  instead of being run wrong.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Any
 from transformers import DeepseekV3Config
 
 WRAPPER_TENSOR_PREFIX = "language_model."
-_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# Fields that change the math; the model implements exactly these values (absent = this value).
+_REQUIRED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 
 
 def _normalise_rope(rope: Any) -> Any:
@@ -69,18 +71,21 @@ class KimiK2Config(DeepseekV3Config):
     - ``quantization_config``: the file's dict as is (compressed-tensors ``pack-quantized`` for
       the INT4 checkpoints); the loader interprets it.
     - ``tensor_prefix``: ``"language_model."`` for the VLM wrappers, else ``""``.
-    - ``topk_method`` / ``scoring_func``: must be ``noaux_tc`` / ``sigmoid`` (or absent).
+    - ``topk_method`` / ``scoring_func`` / ``moe_layer_freq``: must be ``noaux_tc`` /
+      ``sigmoid`` / 1 (or absent).
     """
 
     model_type = "kimi_k2"
 
     def __post_init__(self, **kwargs):
         kwargs.setdefault("tensor_prefix", "")
-        for key, want in _ROUTING.items():
+        for key, want in _REQUIRED.items():
             got = kwargs.get(key, want)
             if got != want:
-                raise ValueError(f"KimiK2Config: {key}={got!r} is not supported (Kimi K2 routes with {key}={want!r})")
+                raise ValueError(f"KimiK2Config: {key}={got!r} is not supported (Kimi K2 has {key}={want!r})")
             kwargs[key] = got
+        if self.hidden_act != "silu":
+            raise ValueError(f"KimiK2Config: hidden_act={self.hidden_act!r} is not supported (Kimi K2 uses 'silu')")
         for key in ("rope_scaling", "rope_parameters"):
             if key in kwargs:
                 kwargs[key] = _normalise_rope(kwargs[key])

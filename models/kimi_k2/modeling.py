@@ -35,7 +35,7 @@ from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / 
 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
-from .fp32 import KeepFp32
+from .fixed_dtype import FixedDtype
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
@@ -80,10 +80,10 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position: i
     return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
 
 
-class KimiK2RotaryEmbedding(KeepFp32):
+class KimiK2RotaryEmbedding(FixedDtype):
     """cos/sin (fp32, [..., rope_dim / 2]) of the given positions; ``inv_freq`` stays fp32."""
 
-    fp32_names = ("inv_freq",)
+    fixed_dtype = ("inv_freq",)
 
     def __init__(self, config: KimiK2Config):
         super().__init__()
@@ -328,6 +328,8 @@ class KimiK2Model(KimiK2PreTrainedModel):
             if tuple(visible.shape) != (R, T, T) or visible.dtype != torch.bool:
                 raise ValueError(f"KimiK2Model: visible must be bool [R, N, N] = {(R, T, T)}, got "
                                  f"{visible.dtype} {tuple(visible.shape)}")
+            if cache.batch_size != R:
+                raise ValueError(f"KimiK2Model: cache holds {cache.batch_size} requests, input_ids has {R}")
             cache.check_room(T)
             batch = _Tree(cache, cache.slots(T), visible.contiguous())
             input_ids = input_ids.clamp(min=0)  # ddtree_build pads with token -1; padding rows see only themselves
@@ -395,11 +397,14 @@ class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
                 cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
                 input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
                 return_logits: bool = True, attention_mask: Optional[torch.Tensor] = None,
-                **unused) -> KimiK2CausalLMOutput:
+                return_dict: bool = True, use_cache: Optional[bool] = None) -> KimiK2CausalLMOutput:
         """:meth:`KimiK2Model.forward` plus ``lm_head``.  ``return_logits=False`` skips the
         full-vocabulary logits (``last_hidden_state`` is what ``lm_head`` would read), for
-        callers that do argmax / top-K themselves or shard the vocabulary.  ``attention_mask``
-        (transformers' ``generate``) must be all ones; use ``input_lengths`` for padding."""
+        callers that do argmax / top-K themselves or shard the vocabulary.
+
+        ``attention_mask``, ``return_dict`` and ``use_cache`` exist for transformers'
+        ``generate()`` (which runs without a cache here); the mask must be all ones — pass
+        right-padded ``input_ids`` with ``input_lengths`` instead."""
         if cache is not None and not isinstance(cache, KimiK2Cache):
             raise TypeError(f"KimiK2ForCausalLM: cache must be a KimiK2Cache, got {type(cache).__name__}")
         if attention_mask is not None and not bool(attention_mask.all()):

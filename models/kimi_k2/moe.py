@@ -13,7 +13,7 @@ from torch import nn
 
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights
 
-from .fp32 import KeepFp32
+from .fixed_dtype import FixedDtype
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Above this many gathered weight elements (T * k * 3 * I * H) the eager dense path loops over
@@ -34,7 +34,7 @@ class KimiK2MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class KimiK2Router(KeepFp32):
+class KimiK2Router(FixedDtype):
     """noaux_tc routing (kimi_k2.md): sigmoid scores in fp32; ``e_score_correction_bias`` only
     selects; optional group-limited choice (``n_group`` groups scored by their top-2, the best
     ``topk_group`` kept); weights renormalised over the top-k and scaled.
@@ -43,7 +43,7 @@ class KimiK2Router(KeepFp32):
     cast to: a bf16 bias would flip near-tied expert choices.
     """
 
-    fp32_names = ("weight", "e_score_correction_bias")
+    fixed_dtype = ("weight", "e_score_correction_bias")
 
     def __init__(self, config):
         super().__init__()
@@ -74,7 +74,7 @@ class KimiK2Router(KeepFp32):
         return ids.to(torch.int32), weights * self.routed_scaling_factor
 
 
-class KimiK2Experts(nn.Module):
+class KimiK2Experts(FixedDtype):
     """Routed experts, stacked over the E experts of this rank, in one of two storages:
 
     - dense (bf16/fp32): ``gate_proj`` [E, I, H], ``up_proj`` [E, I, H], ``down_proj`` [E, H, I]
@@ -97,6 +97,9 @@ class KimiK2Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def fixed_dtype_names(self) -> tuple[str, ...]:
+        return self._INT4 if self.is_int4 else ()  # the kernel reads int32 nibbles and bf16 scales
 
     @property
     def is_int4(self) -> bool:

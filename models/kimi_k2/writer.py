@@ -8,9 +8,9 @@
   (compressed-tensors, ``pack-quantized``, int4 symmetric group-32 weights on every routed
   expert, the rest listed in ``ignore``); sizes scaled down by :data:`SMALL_SIZES` unless
   overridden;
-* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named
-  ``model-000NN-of-0000MM.safetensors`` like the K2 repositories, split by bytes so that a
-  layer's experts straddle shard boundaries;
+* ``model.safetensors`` (one shard) or ``model.safetensors.index.json`` and shards named like
+  the K2 repositories' (``model-00001-of-000062.safetensors``: five digits, then six), split
+  by bytes so that a layer's experts straddle shard boundaries;
 * INT4 routed experts packed as compressed-tensors packs them (eight 4-bit values per int32
   along the input dimension, lowest nibble first, each stored as q + 8; bf16 scales per 32
   inputs; ``weight_shape`` = [out, in]); every other tensor bf16, ``e_score_correction_bias``
@@ -152,10 +152,10 @@ K25_TEXT_CHANGES = {
 }
 K25_IGNORE_EXTRA = ["re:.*vision_tower.*", "re:.*mm_projector.*"]
 
-# Scaled-down sizes for tests.  The INT4 kernel layout tiles experts by 16 output channels x 64
-# inputs, so hidden_size and moe_intermediate_size stay multiples of 64.
+# Scaled-down sizes for tests.  The INT4 kernels need hidden_size a multiple of 128 (channels per
+# CTA) and moe_intermediate_size a multiple of 64 (k per weight tile), see ops/moe.py.
 SMALL_SIZES = {
-    "vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "hidden_size": 64, "intermediate_size": 128,
+    "vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "hidden_size": 128, "intermediate_size": 128,
     "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "n_routed_experts": 16, "num_experts_per_tok": 4,
@@ -182,7 +182,11 @@ def _overrides_of(config) -> dict:
     if isinstance(config, dict):
         return config
     values = config.to_dict()  # a KimiK2Config: keep the K2 fields it sets
-    out = {k: values[k] for k in K2_CONFIG if k in values and k not in ("architectures", "auto_map", "model_type")}
+    skip = ("architectures", "auto_map", "model_type", "transformers_version", "torch_dtype")
+    out = {k: values[k] for k in K2_CONFIG if k in values and k not in skip}
+    dtype = values.get("torch_dtype") or values.get("dtype")
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).removeprefix("torch.")
     rope = values.get("rope_scaling") or values.get("rope_parameters")
     if rope:  # transformers 5 keeps RoPE as rope_parameters (with rope_theta inside); K2 files use rope_scaling
         rope = dict(rope)
@@ -199,10 +203,17 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int8 values in [-8, 7], [..., in] -> int32 [..., in / 8]: value k at bits 4(k % 8), stored as q + 8."""
     if q.dtype != torch.int8 or q.shape[-1] % INT4_PER_INT32:
         raise ValueError(f"pack_int4 needs int8 with a last dimension divisible by 8, got {q.dtype} {list(q.shape)}")
-    nibbles = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], -1, INT4_PER_INT32)
-    shifts = torch.arange(0, 32, INT4_BITS, dtype=torch.int64)
-    words = (nibbles << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    nibbles = (q.to(torch.int32) + 8).unflatten(-1, (-1, INT4_PER_INT32))
+    words = nibbles[..., 0].clone()
+    for j in range(1, INT4_PER_INT32):  # int32 shifts wrap into the sign bit, as the format wants
+        words |= nibbles[..., j] << (INT4_BITS * j)
+    return words
+
+
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int32 [..., in / 8] -> int8 [..., in] in [-8, 7]."""
+    shifts = torch.arange(0, 32, INT4_BITS, dtype=torch.int32, device=words.device)
+    return (((words.unsqueeze(-1) >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
 
 
 def compressed_tensors_layout(q: torch.Tensor, scale: torch.Tensor) -> dict:
@@ -270,7 +281,7 @@ def _spec_bytes(shape: tuple, kind: str) -> int:
     return 4 * n if kind == "bias" else 2 * n
 
 
-def _make(name: str, shape: tuple, kind: str, seed: int, dtype: torch.dtype, encode: Int4Encoder) -> dict:
+def _make(name: str, shape: tuple, kind: str, seed: int, dtype: torch.dtype, encode: Int4Encoder | None) -> dict:
     g = _generator(seed, name)
     if kind == "norm":
         return {name: (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)}
@@ -281,10 +292,16 @@ def _make(name: str, shape: tuple, kind: str, seed: int, dtype: torch.dtype, enc
     if kind == "linear":
         return {name: (torch.randn(shape, generator=g) / math.sqrt(shape[-1])).to(dtype)}
     out, inp = shape
-    q = torch.randint(-8, 8, (out, inp), generator=g, dtype=torch.int8)
+    # Uniform random words are the packing of uniform random q in [-8, 7] (every nibble independent).
+    words = torch.randint(-2**31, 2**31, (out, inp // INT4_PER_INT32), generator=g, dtype=torch.int32)
     # |q| ~ 4.6 on average: scales around 1/(4.6 sqrt(in)) give unit-variance outputs.
-    scale = (0.5 + torch.rand(out, inp // INT4_GROUP_SIZE, generator=g)) / (4.6 * math.sqrt(inp))
-    return {f"{name}.{k}": t for k, t in encode(q, scale.to(torch.bfloat16)).items()}
+    scale = ((0.5 + torch.rand(out, inp // INT4_GROUP_SIZE, generator=g)) / (4.6 * math.sqrt(inp))).to(torch.bfloat16)
+    if encode is None:
+        tensors = {"weight_packed": words, "weight_scale": scale,
+                   "weight_shape": torch.tensor([out, inp], dtype=torch.int32)}
+    else:
+        tensors = encode(unpack_int4(words), scale)
+    return {f"{name}.{k}": t for k, t in tensors.items()}
 
 
 def write_random_checkpoint(path: str | os.PathLike, config=None, *, int4: bool = True, num_shards: int = 2,
@@ -295,8 +312,8 @@ def write_random_checkpoint(path: str | os.PathLike, config=None, *, int4: bool 
     ``config``: ``None``, a dict of ``config.json`` overrides, or a ``KimiK2Config`` (its K2
     fields are copied).  ``small=False`` starts from the full K2 sizes instead of
     :data:`SMALL_SIZES`.  ``int4_encoder(q int8 [out, in], scale bf16 [out, in/32])`` returns the
-    tensors stored per quantised projection (default :func:`compressed_tensors_layout`; tests
-    pass the compressed-tensors package's own compressor).
+    tensors stored per quantised projection (default: the layout of :func:`compressed_tensors_layout`,
+    written straight from random words; tests pass the compressed-tensors package's own compressor).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -327,7 +344,6 @@ def write_random_checkpoint(path: str | os.PathLike, config=None, *, int4: bool 
     for size in sizes:  # a tensor goes where its first byte falls: layers straddle shard boundaries
         shard_of.append(min(num_shards - 1, start * num_shards // total))
         start += size
-    encode = int4_encoder or compressed_tensors_layout
     weight_map: dict[str, str] = {}
     total_size = 0
     for shard in range(num_shards):
@@ -335,7 +351,7 @@ def write_random_checkpoint(path: str | os.PathLike, config=None, *, int4: bool 
         tensors: dict[str, torch.Tensor] = {}
         for (name, shape, kind), where in zip(specs, shard_of):
             if where == shard:
-                tensors.update(_make(name, shape, kind, seed, dtype, encode))
+                tensors.update(_make(name, shape, kind, seed, dtype, int4_encoder))
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(path / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
         total_size += sum(t.nbytes for t in tensors.values())

@@ -1,0 +1,33 @@
+"""Representative mla_tree_attention calls for compute-sanitizer memcheck / racecheck: both tiles
+(16-row and 64-row), split + combine and single-split paths, tree masks, odd page size, padding rows."""
+import torch
+
+import torch_kdtree  # noqa: F401
+from torch_kdtree.ops import ddtree_build, mla_tree_attention, value_checks
+
+g = torch.Generator(device="cuda").manual_seed(0)
+
+
+def call(R, N, H, page_size, lens):
+    max_keys = max(lens) + N
+    pages_per_req = (max_keys + page_size - 1) // page_size + 1
+    kv = torch.randn(R * pages_per_req, page_size, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(R * pages_per_req, device="cuda", generator=g).to(torch.int32).view(R, pages_per_req)
+    q = torch.randn(R, N, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    if N > 1:
+        lp = torch.randn(R, 4, min(4, N - 1), device="cuda", generator=g).sort(-1, descending=True).values
+        ids = torch.randint(0, 100, lp.shape, device="cuda", generator=g)
+        vis = ddtree_build(lp, ids, torch.zeros(R, dtype=torch.int64, device="cuda"), N - 1).visible
+    else:
+        vis = torch.ones(R, 1, 1, device="cuda", dtype=torch.bool)
+    lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    out, lse = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True)
+    return out.float().abs().sum().item()
+
+
+with value_checks(False):
+    print(call(2, 1, 8, 16, [3000, 40]))      # 16-row tile, several splits, an early-exiting split
+    print(call(1, 5, 16, 7, [1500]))          # 64-row tile (80 rows: one partial block), page size 7
+    print(call(1, 9, 64, 64, [100]))          # 576 rows, one split, tree tiles
+torch.cuda.synchronize()
+print("ok")

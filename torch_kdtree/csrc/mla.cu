@@ -1,0 +1,624 @@
+// kdtree::mla_tree_attention(_out): absorbed-MLA attention of N tree nodes x H heads over one
+// layer's paged latent cache (semantics and reference: torch_kdtree/ops/mla.py).
+//
+// Rows: the N·H (node, head) pairs of one request form an [M = N·H, 576] matrix (q's memory
+// order, row = node·H + head); all of them attend to the same keys (MQA), so a CTA takes BM rows
+// and streams the request's keys through shared memory once for all of them.  Keys of request r
+// are positions [0, L + N), L = cache_lens[r] read on the device: the committed prefix [0, L) is
+// visible to every row (no mask), tree node j at L + j only where visible[r, node, j] (only the
+// last tiles pay for the mask).  Each key row (576 bf16 = 1152 B) is fetched by 16-byte
+// cp.async through the block table, so any page size works.
+//
+// Tiling (CTA = RG row groups x 4 d_v quarters of warps; warp (rg, dq)):
+//   S = Q·Kᵀ   : warp computes its row group's 16·MT rows x its BN/4 keys of the tile
+//                (mma.sync m16n8k16 bf16, 36 k-steps; A = Q from smem, B = K rows, ldmatrix).
+//   softmax    : row maxima exchanged through smem (4 partials per row), log2-domain online
+//                softmax with one running max per row shared by the 4 warps, P (bf16) to smem.
+//   O += P·V   : warp owns 16·MT rows x 128 dims of O in registers (64·MT floats per thread);
+//                V = the first 512 columns of the same K tile (ldmatrix.trans), P via ldmatrix.
+//   Large (sm_90, 227 KB smem): MT 2, RG 2 -> BM 64, BN 64, 2 stages, 8 warps, 225 KB, 1 CTA/SM.
+//   Small (few rows, and every config on sm_120's 99 KB): MT 1, RG 1 -> BM 16, BN 32, 2 stages,
+//   4 warps, 91 KB (2 CTAs/SM on sm_90).
+// What bounds it: FLOPs = M·S·2·(576 + 512) against bytes ≈ 1152·S per request (1.89·M FLOP/B);
+// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores.  Row blocks of one
+// (request, split) are adjacent in the grid (blockIdx.x), so they run together and share each
+// key page through L2: DRAM reads every page once per (request, split).
+//
+// Long contexts with few rows (flash-decoding): the grid has a static number of splits per
+// request (from static shapes: R, M, max_pages·page_size, SM count); on the device each split
+// takes chunk = roundup(max(ceil((L+N)/splits), 256), BN) keys, splits past the end exit.
+// Partial O (normalised, fp32) and log2-LSE go to a workspace sized from static shapes; a
+// combine kernel merges them in fixed split order (deterministic).  One split writes the output
+// directly.  Nothing depends on data on the host: one CUDA graph serves every length.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace kdtree {
+namespace {
+
+constexpr int kD = 576;               // key dim: 512 latent + 64 rope
+constexpr int kDV = 512;              // value dim: the latent part of the same row
+constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
+constexpr int kRowBytes = kD * 2;     // 1152
+constexpr int kMinChunk = 256;        // fewest keys per split worth a CTA (its Q load, the combine)
+constexpr int kMaxSplits = 128;
+constexpr int kCombineWarps = 4;
+constexpr float kLn2 = 0.69314718055994531f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+struct Params {
+  const __nv_bfloat16* q;      // [R, M, 576]
+  const __nv_bfloat16* kv;     // [num_pages, page_size, 576]
+  const int32_t* block_table;  // [R, max_pages]
+  const int32_t* cache_lens;   // [R]
+  const bool* visible;         // [R, N, N]
+  __nv_bfloat16* out;          // [R, M, 512]
+  float* lse;                  // [R, M] natural log, or null
+  float* o_part;               // [R, splits, M, 512] normalised partial O (splits > 1)
+  float* lse_part;             // [R, splits, M] log2-domain partial LSE (splits > 1)
+  int N, H, M;
+  int page_size, max_pages;
+  int64_t num_pages;
+  int max_keys;                // max_pages * page_size
+  int num_splits;
+  float scale_log2;            // softmax_scale * log2(e)
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// src_bytes = 0 writes 16 zero bytes and reads nothing (padding rows, keys past the end).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// Barrier for the 128 threads (4 warps) of one row group; id 0 is __syncthreads'.
+__device__ __forceinline__ void row_group_sync(int rg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(rg + 1) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Byte offset of 16-byte chunk c of row `row` in a [rows][72 chunks] tile (Q or K).  The 1152 B
+// pitch is a multiple of 128 B, so the 8 rows an ldmatrix reads would share banks; XOR-ing the
+// chunk with row & 7 (which stays inside its group of 8 chunks, 72 = 9·8) spreads them.
+__device__ __forceinline__ uint32_t kv_off(int row, int c) {
+  return uint32_t(row * kRowBytes + ((c ^ (row & 7)) << 4));
+}
+// Same for the [BM][BN] bf16 P tile (BN/8 chunks per row).
+template <int BN>
+__device__ __forceinline__ uint32_t p_off(int row, int c) {
+  constexpr int kCP = BN / 8;
+  return uint32_t(row * BN * 2 + ((c ^ ((row / (8 / kCP)) & (kCP - 1))) << 4));
+}
+
+template <int MT, int RG, int BN, int STAGES>
+struct Tile {
+  static constexpr int kWarps = RG * 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBM = RG * MT * 16;
+  static constexpr int kKW = BN / 4;   // keys per warp in S
+  static constexpr int kNT = kKW / 8;  // n8 tiles per warp in S
+  static constexpr int kQBytes = kBM * kRowBytes;
+  static constexpr int kKBytes = BN * kRowBytes;
+  static constexpr int kPBytes = kBM * BN * 2;
+  static constexpr int kSmem = kQBytes + STAGES * kKBytes + kPBytes + 4 * kBM * 4;
+  static_assert(kNT == 1 || kNT == 2, "a warp's S slice is one or two n8 tiles");
+  static_assert(BN % (kThreads / 8) == 0, "key loads: 8 threads per key row");
+  static_assert(STAGES >= 2, "double buffering at least");
+};
+
+// Split s of request r covers keys [begin, end); empty when begin >= end.
+__device__ __forceinline__ void split_range(int total, int splits, int s, int bn, int& begin, int& end) {
+  int chunk = (total + splits - 1) / splits;
+  chunk = max(chunk, kMinChunk);
+  chunk = (chunk + bn - 1) / bn * bn;
+  begin = min(s * chunk, total);  // s < splits <= 128 and chunk <= ceil(total/splits) + max(256, bn): no overflow
+  end = min(total, begin + chunk);
+}
+
+template <int MT, int RG, int BN, int STAGES>
+__device__ __forceinline__ void attention_tile_loop(const Params& p) {
+  using T = Tile<MT, RG, BN, STAGES>;
+  constexpr int kBM = T::kBM, kKW = T::kKW, kNT = T::kNT;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK = sQ + T::kQBytes;
+  uint8_t* sP_ptr = smem + T::kQBytes + STAGES * T::kKBytes;
+  const uint32_t sP = smem_u32(sP_ptr);
+  float* sRed = reinterpret_cast<float*>(sP_ptr + T::kPBytes);  // [4][BM]: row maxima, then row sums
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rg = warp >> 2, dq = warp & 3;
+  const int rb = blockIdx.x, split = blockIdx.y, r = blockIdx.z;
+  const int N = p.N, M = p.M, H = p.H;
+  const int row0 = rb * kBM;
+
+  // The host checked max_keys >= N; a bad length must not send reads past the block table.
+  const int L = min(max(p.cache_lens[r], 0), p.max_keys - N);
+  const int total = L + N;
+  int k_begin, k_end;
+  split_range(total, p.num_splits, split, BN, k_begin, k_end);
+  if (k_begin >= k_end) {  // only splits > 0 can be empty: mark their rows for the combine
+    for (int i = tid; i < kBM; i += T::kThreads)
+      if (row0 + i < M) p.lse_part[(int64_t(r) * p.num_splits + split) * M + row0 + i] = -INFINITY;
+    return;
+  }
+  const int n_tiles = (k_end - k_begin + BN - 1) / BN;
+
+  // ---- loads ----
+  {
+    const __nv_bfloat16* q_r = p.q + int64_t(r) * M * kD;
+    for (int i = tid; i < kBM * kRowChunks; i += T::kThreads) {
+      const int row = i / kRowChunks, c = i - row * kRowChunks;
+      const bool ok = row0 + row < M;
+      cp_async16(sQ + kv_off(row, c), ok ? q_r + int64_t(row0 + row) * kD + c * 8 : p.q, ok ? 16 : 0);
+    }
+  }
+  const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
+  auto load_tile = [&](int tile, int stage) {
+    constexpr int kKeysPerPass = T::kThreads / 8;
+    const uint32_t dst = sK + stage * T::kKBytes;
+    const int sub = tid & 7;
+#pragma unroll
+    for (int pass = 0; pass < BN / kKeysPerPass; ++pass) {
+      const int key = pass * kKeysPerPass + (tid >> 3);
+      const int pos = k_begin + tile * BN + key;
+      const __nv_bfloat16* src = p.kv;
+      int bytes = 0;
+      if (pos < k_end) {  // pos < max_keys, so pos / page_size < max_pages
+        const int lp = pos / p.page_size;
+        const int page = bt_r[lp];
+        if (page >= 0 && page < p.num_pages) {
+          src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kD;
+          bytes = 16;
+        }
+      }
+#pragma unroll
+      for (int c = sub; c < kRowChunks; c += 8) cp_async16(dst + kv_off(key, c), bytes ? src + c * 8 : p.kv, bytes);
+    }
+  };
+  load_tile(0, 0);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  // ---- per-thread state: rows lrow(mi, h) = rg·16·MT + mi·16 + g + 8h ----
+  float o[MT][16][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mi][n][e] = 0.f;
+  float m_run[MT][2], l_run[MT][2];
+  int node[MT][2];  // tree node of the row, -1 for padding rows
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_run[mi][h] = -INFINITY;
+      l_run[mi][h] = 0.f;
+      const int grow = row0 + rg * 16 * MT + mi * 16 + g + 8 * h;
+      node[mi][h] = grow < M ? grow / H : -1;
+    }
+  const bool* vis_r = p.visible + int64_t(r) * N * N;
+  const int wrow = rg * 16 * MT;  // first CTA row of this warp's row group
+
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile j landed for every thread; every warp is done with tile j - 1
+    {
+      const int nt = j + STAGES - 1;
+      if (nt < n_tiles) load_tile(nt, nt % STAGES);
+      cp_async_commit();
+    }
+    const uint32_t sKs = sK + (j % STAGES) * T::kKBytes;
+
+    // S = Q·Kᵀ for rows of this row group x keys [dq·KW, dq·KW + KW) of the tile
+    auto qk_step = [&](int ks, float (&acc)[MT][kNT][4]) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+      uint32_t b[kNT][2];
+      if constexpr (kNT == 2) {
+        uint32_t bb[4];
+        ldsm_x4(bb, sKs + kv_off(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+        b[0][0] = bb[0];
+        b[0][1] = bb[1];
+        b[kNT - 1][0] = bb[2];
+        b[kNT - 1][1] = bb[3];
+      } else {
+        ldsm_x2(b[0][0], b[0][1], sKs + kv_off(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+    };
+    float s[MT][kNT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+    if constexpr (MT * kNT == 1) {
+      // one accumulator would chain 36 dependent mma; two chains halve that latency
+      float s_odd[MT][kNT][4] = {};
+#pragma unroll 2
+      for (int ks = 0; ks < kD / 16; ks += 2) {
+        qk_step(ks, s);
+        qk_step(ks + 1, s_odd);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
+    } else {
+#pragma unroll 4
+      for (int ks = 0; ks < kD / 16; ++ks) qk_step(ks, s);
+    }
+
+    // scale to log2 units; mask keys past the split and invisible tree nodes
+    const int tile_start = k_begin + j * BN;
+    const bool masked = tile_start + BN > min(L, k_end);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[mi][ni][e] * p.scale_log2;
+          if (masked) {
+            const int pos = tile_start + dq * kKW + ni * 8 + 2 * t + (e & 1);
+            const int nd = node[mi][e >> 1];
+            bool ok = pos < k_end;
+            if (ok && pos >= L && nd >= 0) ok = vis_r[int64_t(nd) * N + (pos - L)];
+            if (!ok) v = -INFINITY;
+          }
+          s[mi][ni][e] = v;
+        }
+
+    // row maxima over the whole tile: 4 lanes per row in a warp, 4 warps per row through smem
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (t == 0) sRed[dq * kBM + wrow + mi * 16 + g + 8 * h] = mx;
+      }
+    row_group_sync(rg);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int lr = wrow + mi * 16 + g + 8 * h;
+        const float m_tile = fmaxf(fmaxf(sRed[lr], sRed[kBM + lr]), fmaxf(sRed[2 * kBM + lr], sRed[3 * kBM + lr]));
+        const float m_new = fmaxf(m_run[mi][h], m_tile);
+        const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet stays at 0
+        const float alpha = fast_exp2(m_run[mi][h] - base);
+        m_run[mi][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni) {
+          const float p0 = fast_exp2(s[mi][ni][2 * h] - base);
+          const float p1 = fast_exp2(s[mi][ni][2 * h + 1] - base);
+          sum += p0 + p1;
+          const int chunk = dq * kNT + ni;  // key dq·KW + ni·8 + 2t lies in chunk (dq·KW + ni·8) / 8
+          *reinterpret_cast<uint32_t*>(sP_ptr + p_off<BN>(lr, chunk) + 4 * t) = pack_bf16x2(p0, p1);
+        }
+        l_run[mi][h] = l_run[mi][h] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          o[mi][n][2 * h] *= alpha;
+          o[mi][n][2 * h + 1] *= alpha;
+        }
+      }
+    row_group_sync(rg);
+
+    // O[:, dq·128 : dq·128 + 128] += P · V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sP + p_off<BN>(wrow + mi * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, sKs + kv_off(kk * 16 + (lane & 15), dq * 16 + np * 2 + (lane >> 4)));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          mma_bf16(o[mi][2 * np], a[mi], b[0], b[1]);
+          mma_bf16(o[mi][2 * np + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- row sums: 4 lanes, then 4 warps (fixed order); every warp of the row group gets the same ----
+  // sRed's last readers (the row maxima of the last tile) passed the second row-group barrier.
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mi][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) sRed[dq * kBM + wrow + mi * 16 + g + 8 * h] = l;
+    }
+  row_group_sync(rg);
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lr = wrow + mi * 16 + g + 8 * h;
+      const int grow = row0 + lr;
+      if (grow >= M) continue;
+      const float l = ((sRed[lr] + sRed[kBM + lr]) + sRed[2 * kBM + lr]) + sRed[3 * kBM + lr];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse2 = l > 0.f ? m_run[mi][h] + log2f(l) : -INFINITY;
+      if (p.num_splits == 1) {
+        __nv_bfloat16* dst = p.out + (int64_t(r) * M + grow) * kDV + dq * 128 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(o[mi][n][2 * h] * inv, o[mi][n][2 * h + 1] * inv);
+        if (p.lse != nullptr && dq == 0 && t == 0) p.lse[int64_t(r) * M + grow] = lse2 * kLn2;
+      } else {
+        const int64_t prow = (int64_t(r) * p.num_splits + split) * M + grow;
+        float* dst = p.o_part + prow * kDV + dq * 128 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[mi][n][2 * h] * inv, o[mi][n][2 * h + 1] * inv);
+        if (dq == 0 && t == 0) p.lse_part[prow] = lse2;
+      }
+    }
+}
+
+constexpr int kSm120SmemPerBlock = 101376;
+
+template <int MT, int RG, int BN, int STAGES>
+__global__ void __launch_bounds__(Tile<MT, RG, BN, STAGES>::kThreads, RG == 1 ? 2 : 1)
+mla_tree_attention_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  // The host launches a tile only where the device's opt-in shared memory holds it, so tiles
+  // larger than sm_120's 99 KB are never compiled for it.
+  if constexpr (Tile<MT, RG, BN, STAGES>::kSmem <= kSm120SmemPerBlock)
+    attention_tile_loop<MT, RG, BN, STAGES>(p);
+  else
+    __trap();
+#else
+  attention_tile_loop<MT, RG, BN, STAGES>(p);
+#endif
+}
+
+// One warp per (request, row): out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m), splits in order.
+__global__ void __launch_bounds__(kCombineWarps * 32)
+mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part, int R, int M, int splits,
+                   __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+  const int warp = blockIdx.x * kCombineWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (warp >= R * M) return;
+  const int r = warp / M, row = warp - r * M;
+  const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[base + int64_t(s) * M]);
+  float4 acc[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float ls = lse_part[base + int64_t(s) * M];
+      if (ls == -INFINITY) continue;  // empty split: its O was never written
+      const float w = exp2f(ls - m);
+      wsum += w;
+      const float4* src = reinterpret_cast<const float4*>(o_part + (base + int64_t(s) * M) * kDV);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = src[lane + 32 * i];
+        acc[i].x += w * v.x;
+        acc[i].y += w * v.y;
+        acc[i].z += w * v.z;
+        acc[i].w += w * v.w;
+      }
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  uint2* dst = reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    dst[lane + 32 * i] = make_uint2(pack_bf16x2(acc[i].x * inv, acc[i].y * inv), pack_bf16x2(acc[i].z * inv, acc[i].w * inv));
+  if (lse != nullptr && lane == 0) lse[warp] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
+}
+
+// ------------------------------------------------------------------------------------------------
+// host side
+// ------------------------------------------------------------------------------------------------
+
+using SmallTile = Tile<1, 1, 32, 2>;
+using LargeTile = Tile<2, 2, 64, 2>;
+
+template <int MT, int RG, int BN, int STAGES>
+void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t stream) {
+  using T = Tile<MT, RG, BN, STAGES>;
+  auto kernel = mla_tree_attention_kernel<MT, RG, BN, STAGES>;
+  // Idempotent; needed once per device for more than 48 KB of dynamic shared memory.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem));
+  const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
+  kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
+int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_keys, int bn) {
+  const int64_t limit = std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (max_keys + kMinChunk - 1) / kMinChunk));
+  int best = 1;
+  double best_cost = 0;
+  for (int64_t s = 1; s <= limit; ++s) {
+    const int64_t waves = (ctas_per_split * s + ctas_per_wave - 1) / ctas_per_wave;
+    const int64_t keys = std::max<int64_t>((max_keys + s - 1) / s, kMinChunk);
+    const double cost = double(waves) * double((keys + bn - 1) / bn + 4);
+    if (s == 1 || cost < 0.97 * best_cost) {
+      best = int(s);
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, int dim) {
+  constexpr const char* op = "kdtree::mla_tree_attention";
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, " (the CUDA kernel), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                 const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
+                                 at::Tensor out, const std::optional<at::Tensor>& lse) {
+  constexpr const char* op = "kdtree::mla_tree_attention";
+  check_cuda(q, "q", at::kBFloat16, 4);
+  check_cuda(kv_cache, "kv_cache", at::kBFloat16, 3);
+  check_cuda(block_table, "block_table", at::kInt, 2);
+  check_cuda(cache_lens, "cache_lens", at::kInt, 1);
+  check_cuda(visible, "visible", at::kBool, 3);
+  check_cuda(out, "out", at::kBFloat16, 4);
+  const int64_t R = q.size(0), N = q.size(1), H = q.size(2);
+  TORCH_CHECK(q.size(3) == kD, op, ": q head dim must be ", kD, " (512 absorbed latent + 64 rope), got ", q.size(3));
+  TORCH_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
+  TORCH_CHECK(N >= 1 && H >= 1, op, ": q must have N >= 1 nodes and H >= 1 heads, got ", q.sizes());
+  TORCH_CHECK(block_table.size(0) == R && cache_lens.size(0) == R, op, ": block_table and cache_lens must have R = ",
+              R, " rows");
+  TORCH_CHECK(visible.size(0) == R && visible.size(1) == N && visible.size(2) == N, op,
+              ": visible must be [R, N, N], got ", visible.sizes());
+  TORCH_CHECK(out.size(0) == R && out.size(1) == N && out.size(2) == H && out.size(3) == kDV, op,
+              ": out must be [R, N, H, ", kDV, "], got ", out.sizes());
+  if (lse.has_value()) {
+    check_cuda(*lse, "lse", at::kFloat, 3);
+    TORCH_CHECK(lse->size(0) == R && lse->size(1) == N && lse->size(2) == H, op, ": lse must be [R, N, H], got ",
+                lse->sizes());
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kv_cache, &block_table, &cache_lens, &visible, &out})
+    TORCH_CHECK(t->device() == q.device(), op, ": all inputs must be on one device");
+  if (lse.has_value()) TORCH_CHECK(lse->device() == q.device(), op, ": all inputs must be on one device");
+  const int64_t num_pages = kv_cache.size(0), page_size = kv_cache.size(1), max_pages = block_table.size(1);
+  TORCH_CHECK(num_pages >= 1 && page_size >= 1, op, ": kv_cache must hold at least one page, got ", kv_cache.sizes());
+  const int64_t max_keys = max_pages * page_size;
+  TORCH_CHECK(max_keys >= N, op, ": block_table has ", max_pages, " pages per request, too few for the N = ", N,
+              " tree entries with page_size ", page_size);
+  TORCH_CHECK(max_keys <= (int64_t(1) << 24), op, ": max_pages * page_size must be <= 2^24, got ", max_keys);
+  const int64_t M = N * H;
+  TORCH_CHECK(M <= (int64_t(1) << 22) && R <= 65535, op, ": N * H must be <= 2^22 and R <= 65535");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kv_cache, &out})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
+  if (R == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const bool large_fits = int64_t(prop->sharedMemPerBlockOptin) >= LargeTile::kSmem;
+  const bool large = large_fits && M > SmallTile::kBM;
+  const int bm = large ? LargeTile::kBM : SmallTile::kBM;
+  const int bn = large ? 64 : 32;
+  const int64_t row_blocks = (M + bm - 1) / bm;
+  const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * (large ? 1 : 2);
+  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn);
+
+  Params p{};
+  p.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+  p.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.cache_lens = cache_lens.data_ptr<int32_t>();
+  p.visible = visible.data_ptr<bool>();
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.N = int(N);
+  p.H = int(H);
+  p.M = int(M);
+  p.page_size = int(page_size);
+  p.max_pages = int(max_pages);
+  p.num_pages = num_pages;
+  p.max_keys = int(max_keys);
+  p.num_splits = splits;
+  p.scale_log2 = float(softmax_scale * double(kLog2e));
+  at::Tensor o_part, lse_part;
+  if (splits > 1) {  // static size: one CUDA graph serves every length
+    o_part = at::empty({R * splits * M * kDV}, q.options().dtype(at::kFloat));
+    lse_part = at::empty({R * splits * M}, q.options().dtype(at::kFloat));
+    p.o_part = o_part.data_ptr<float>();
+    p.lse_part = lse_part.data_ptr<float>();
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (large)
+    launch_attention<2, 2, 64, 2>(p, int(row_blocks), int(R), stream);
+  else
+    launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
+  if (splits > 1) {
+    const int64_t rows = R * M;
+    const unsigned blocks = unsigned((rows + kCombineWarps - 1) / kCombineWarps);
+    mla_combine_kernel<<<blocks, kCombineWarps * 32, 0, stream>>>(p.o_part, p.lse_part, int(R), int(M), splits, p.out,
+                                                                  p.lse);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale) {
+  TORCH_CHECK(q.dim() == 4, "kdtree::mla_tree_attention: q must be [R, N, H, 576], got ", q.sizes());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDV}, q.options());
+  mla_tree_attention_out_cuda(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, std::nullopt);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
+  m.impl("mla_tree_attention", &mla_tree_attention_cuda);
+  m.impl("mla_tree_attention_out", &mla_tree_attention_out_cuda);
+}
+
+}  // namespace kdtree
