@@ -179,6 +179,19 @@ def test_step_time_against_tree_budget(benchmark, name):
         record(benchmark, bench="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
 
 
+@pytest.mark.parametrize("name", _configs())
+def test_step_phase_profile(benchmark, name):
+    """profile=True: eager steps (no graph: launch overhead included) with CUDA events between
+    the phases; mean ms per phase over 12 steps at B = 16."""
+    model = target(name)
+    out = benchmark.pedantic(lambda: model.generate(prompt(name), max_new_tokens=12, eos_token_id=None,
+                                                    drafter=drafter(name), tree_budget=16, profile=True,
+                                                    return_dict_in_generate=True), rounds=1, iterations=1)
+    rows = out.profile[1:]  # the first eager step pays lazy initialisation
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k.endswith("_ms")}
+    record(benchmark, bench="phase_profile", config=name, budget=16, **means)
+
+
 def _generate(model, ids, **kwargs):
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -238,15 +238,14 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
            sync_every, model.device, model.dtype)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
     session = sessions.pop(key, None)
-    if session is not None and session.drafter_state != _drafter_state(drafter):
-        session = None  # the drafter's context buffers were reallocated by another session
+    if session is not None and not session.drafter_is_current():
+        session = None  # another session reallocated the drafter's context caches
     if session is None:
         while len(sessions) >= MAX_SESSIONS:
             sessions.pop(next(iter(sessions)))  # free the oldest buffers and graphs first
         session = GenerationSession(model, drafter, batch_size=R, max_prompt=max_prompt, max_new=max_new,
                                     budgets=budgets, mode=mode, page_size=page_size, cuda_graphs=cuda_graphs,
                                     compile_step=compile_step, sync_every=sync_every)
-        session.drafter_state = _drafter_state(drafter)
         session.step_seconds = None
     elif drafter is not None and hasattr(drafter, "attach"):
         drafter.attach(model, session.cache)
@@ -258,13 +257,6 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
             measured[timing_key] = session.measure_step_seconds(budgets)
         session.step_seconds = measured[timing_key]
     return session
-
-
-def _drafter_state(drafter):
-    """Identifies the drafter's context buffers: a session is stale once they were reallocated."""
-    if drafter is None:
-        return None
-    return id(getattr(drafter, "context_lengths", None))
 
 
 __all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]
