@@ -430,6 +430,22 @@ def test_second_call_reuses_the_session():
     assert list(model.__dict__["_ddtree_sessions"].values()) == [session] and torch.equal(first, second)
 
 
+def test_session_is_rebuilt_when_another_session_reallocated_its_drafter():
+    """An oracle wrapping a DFlash drafter re-allocates the DFlash context caches; the DFlash
+    session built before must not run on the old buffers (its graphs would)."""
+    model = target(85)
+    ids, mask = prompts(2, 85)
+    dflash = make_drafter("random_dflash", model, 4, 4)
+    common = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, tree_budget=4)
+    first = model.generate(ids, drafter=dflash, **common)
+    (old,) = model.__dict__["_ddtree_sessions"].values()
+    oracle = OracleDrafter(model, accuracy=0.8, inner=dflash)
+    assert torch.equal(model.generate(ids, drafter=oracle, **common), first)
+    assert not old.drafter_is_current()
+    assert torch.equal(model.generate(ids, drafter=dflash, **common), first)
+    assert old not in model.__dict__["_ddtree_sessions"].values()
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bf16, CUDA graphs, no host synchronisation inside a step
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .budget import AUTO_BUDGETS, BudgetPlanner, FixedBudget
 from .sampling import SamplingMode
 from .session import GenerationSession
 
+MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recently used dropped
 # transformers' defaults for fields a GenerationConfig leaves unset (None)
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
@@ -226,9 +227,6 @@ class DDTreeGenerationMixin(GenerationMixin):
                                     budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
                                     budget_history=getattr(policy, "history", None) if auto else None,
                                     step_seconds=run["step_seconds"])
-
-
-MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, least recently used dropped
 
 
 def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, cuda_graphs, compile_step,
