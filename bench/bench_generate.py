@@ -172,11 +172,24 @@ def test_step_time_against_tree_budget(benchmark, name):
     context = int(session.cache.lengths.max())
     for b in BUDGETS:
         floor = floor_seconds(name, b, context, with_drafter=b > 0) * 1e3
-        record(benchmark, bench="step_time", config=name, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
+        record(benchmark, op="step_time", config=name, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
                floor_ms=floor, floor_ratio=floor / ms[b], context=context)
     RESULTS[(name, "step_ms")] = ms
     if name == "2p2b":
-        record(benchmark, bench="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
+        record(benchmark, op="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
+
+
+@pytest.mark.parametrize("name", _configs())
+def test_step_phase_profile(benchmark, name):
+    """profile=True: eager steps (no graph: launch overhead included) with CUDA events between
+    the phases; mean ms per phase over 12 steps at B = 16."""
+    model = target(name)
+    out = benchmark.pedantic(lambda: model.generate(prompt(name), max_new_tokens=12, eos_token_id=None,
+                                                    drafter=drafter(name), tree_budget=16, profile=True,
+                                                    return_dict_in_generate=True), rounds=1, iterations=1)
+    rows = out.profile[1:]  # the first eager step pays lazy initialisation
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k.endswith("_ms")}
+    record(benchmark, op="phase_profile", config=name, budget=16, **means)
 
 
 def _generate(model, ids, **kwargs):
@@ -194,7 +207,7 @@ def test_autoregressive_tokens_per_second(benchmark, name):
     out, wall, _ = benchmark.pedantic(lambda: _generate(model, prompt(name)), rounds=1, iterations=1)
     rate = TOKENS / out.step_seconds
     RESULTS[(name, "ar")] = {"rate": rate, "wall_rate": TOKENS / wall, "sequences": out.sequences}
-    record(benchmark, bench="autoregressive", config=name, tokens=TOKENS, tokens_per_s=rate,
+    record(benchmark, op="autoregressive", config=name, tokens=TOKENS, tokens_per_s=rate,
            wall_tokens_per_s=TOKENS / wall, ms_per_token=1e3 / rate)
 
 
@@ -211,7 +224,7 @@ def test_oracle_tokens_per_second(benchmark, name, accuracy):
                                       rounds=1, iterations=1)
     rate = TOKENS / out.step_seconds
     used = {b: out.budgets.count(b) for b in sorted(set(out.budgets))}
-    info = dict(bench="ddtree_oracle", config=name, accuracy=accuracy, tokens=TOKENS, tokens_per_s=rate,
+    info = dict(op="ddtree_oracle", config=name, accuracy=accuracy, tokens=TOKENS, tokens_per_s=rate,
                 mean_accept=out.mean_accept_length, steps=len(out.budgets), budgets_used=str(used),
                 wall_with_oracle_s=wall)
     ar = RESULTS.get((name, "ar"))
@@ -265,7 +278,7 @@ def test_transformers_generate_baselines(benchmark):
 
         plain = benchmark.pedantic(lambda: timed(max_new_tokens=HF_TOKENS), rounds=1, iterations=1)
         assisted = timed(max_new_tokens=ASSISTED_TOKENS, assistant_model=assistant)
-    info = dict(bench="transformers", config="2p2b", generate_tokens_per_s=plain, assisted_tokens_per_s=assisted,
+    info = dict(op="transformers", config="2p2b", generate_tokens_per_s=plain, assisted_tokens_per_s=assisted,
                 generate_tokens=HF_TOKENS, assisted_tokens=ASSISTED_TOKENS)
     ar = RESULTS.get(("2p2b", "ar"))
     if ar is not None:

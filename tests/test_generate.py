@@ -163,15 +163,19 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     model = target(31)
     ids, mask = prompts(2, 31, left=False)
     outs = []
-    for compile_step in (False, "aot_eager"):
+    try:
+        for compile_step in (False, "aot_eager"):
+            torch._dynamo.reset()
+            drafter = make_drafter("oracle_60_inner", model, 2, 4)
+            session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
+                                        compile_step=compile_step)
+            session.prefill(ids, mask.sum(1), max_new=12, eos=[])
+            for i in range(6):
+                session.step(0 if i == 2 else 5)  # an autoregressive step in between
+            outs.append(session.tokens())
+    finally:  # leave no compiled state or counters to later tests
         torch._dynamo.reset()
-        drafter = make_drafter("oracle_60_inner", model, 2, 4)
-        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
-                                    compile_step=compile_step)
-        session.prefill(ids, mask.sum(1), max_new=12, eos=[])
-        for i in range(6):
-            session.step(0 if i == 2 else 5)  # an autoregressive step in between
-        outs.append(session.tokens())
+        torch._dynamo.utils.counters.clear()
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
@@ -426,6 +430,22 @@ def test_second_call_reuses_the_session():
     assert list(model.__dict__["_ddtree_sessions"].values()) == [session] and torch.equal(first, second)
 
 
+def test_session_is_rebuilt_when_another_session_reallocated_its_drafter():
+    """An oracle wrapping a DFlash drafter re-allocates the DFlash context caches; the DFlash
+    session built before must not run on the old buffers (its graphs would)."""
+    model = target(85)
+    ids, mask = prompts(2, 85)
+    dflash = make_drafter("random_dflash", model, 4, 4)
+    common = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, tree_budget=4)
+    first = model.generate(ids, drafter=dflash, **common)
+    (old,) = model.__dict__["_ddtree_sessions"].values()
+    oracle = OracleDrafter(model, accuracy=0.8, inner=dflash)
+    assert torch.equal(model.generate(ids, drafter=oracle, **common), first)
+    assert not old.drafter_is_current()
+    assert torch.equal(model.generate(ids, drafter=dflash, **common), first)
+    assert old not in model.__dict__["_ddtree_sessions"].values()
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: bf16, CUDA graphs, no host synchronisation inside a step
 # --------------------------------------------------------------------------------------------
@@ -532,7 +552,7 @@ def test_cuda_no_host_sync_inside_steps(budget):
     session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=64, budgets=(budget,),
                                 mode=SamplingMode(do_sample=True))
     ids, mask = prompts(2, 94, left=False)
-    session.prefill(ids, mask.sum(1), max_new=64, eos=[2], sampling=(0.8, 0, 1.0))
+    session.prefill(ids, mask.sum(1), max_new=64, eos=[], sampling=(0.8, 0, 1.0))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -6,9 +6,10 @@ accepts a(B) tokens per request on average.  The planner picks ``argmax_B a(B) /
 
 a(B) is observed without running every budget: the first b pops of a best-first build are the
 whole tree of budget b (same heap, same order), and the target's token at a node does not depend
-on the other nodes, so a step at budget B also tells exactly how many tokens a step at any
-b <= B would have accepted: the accepted path's nodes with index <= b (indices grow along a
-path).  The step accumulates these counterfactual lengths on the device for every candidate
+on the other nodes (attention sees the ancestors only; with sampling, its draw is independent of
+them), so a step at budget B also tells how many tokens a step at any b <= B would have accepted
+-- exactly for greedy decoding, with the same draws for sampling: the accepted path's nodes with
+index <= b (indices grow along a path).  The step accumulates these counterfactual lengths on the device for every candidate
 b <= B; B = 0 (an autoregressive step) always accepts exactly 1.  Larger budgets are only seen
 when one runs, so the planner explores with the largest candidate in the first segment and
 every ``explore_every`` segments after that.  Estimates are exponential moving averages over

@@ -26,6 +26,7 @@ from .budget import AUTO_BUDGETS, BudgetPlanner, FixedBudget
 from .sampling import SamplingMode
 from .session import GenerationSession
 
+MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recently used dropped
 # transformers' defaults for fields a GenerationConfig leaves unset (None)
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
@@ -228,9 +229,6 @@ class DDTreeGenerationMixin(GenerationMixin):
                                     step_seconds=run["step_seconds"])
 
 
-MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, least recently used dropped
-
-
 def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, cuda_graphs, compile_step,
              sync_every, measure) -> GenerationSession:
     """A cached session of the model that fits these shapes (its graphs are reused), else a new one."""
@@ -238,29 +236,25 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
            sync_every, model.device, model.dtype)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
     session = sessions.pop(key, None)
-    if session is not None and session.drafter_state != _drafter_state(drafter):
-        session = None  # the drafter's context buffers were reallocated by another session
+    if session is not None and not session.drafter_is_current():
+        session = None  # another session reallocated the drafter's context caches
     if session is None:
         while len(sessions) >= MAX_SESSIONS:
             sessions.pop(next(iter(sessions)))  # free the oldest buffers and graphs first
         session = GenerationSession(model, drafter, batch_size=R, max_prompt=max_prompt, max_new=max_new,
                                     budgets=budgets, mode=mode, page_size=page_size, cuda_graphs=cuda_graphs,
                                     compile_step=compile_step, sync_every=sync_every)
-        session.drafter_state = _drafter_state(drafter)
         session.step_seconds = None
     elif drafter is not None and hasattr(drafter, "attach"):
         drafter.attach(model, session.cache)
     sessions[key] = session  # most recently used last
-    if measure and session.step_seconds is None:
-        session.step_seconds = session.measure_step_seconds(budgets)
+    if measure and session.step_seconds is None:  # measured once per drafter, batch size and budgets
+        measured = model.__dict__.setdefault("_ddtree_step_seconds", {})
+        timing_key = (id(drafter), R, tuple(budgets), mode, page_size, cuda_graphs, compile_step)
+        if timing_key not in measured:
+            measured[timing_key] = session.measure_step_seconds(budgets)
+        session.step_seconds = measured[timing_key]
     return session
-
-
-def _drafter_state(drafter):
-    """Identifies the drafter's context buffers: a session is stale once they were reallocated."""
-    if drafter is None:
-        return None
-    return id(getattr(drafter, "context_lengths", None))
 
 
 __all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]

@@ -49,6 +49,19 @@ def _has_device_kernel(op: str, device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, device.type.upper())
 
 
+def _state_tensors(module) -> dict:
+    """The tensors a drafter keeps as attributes or buffers (its context caches), and its
+    ``inner`` drafter's, by name."""
+    if module is None:
+        return {}
+    found = {name: v for name, v in vars(module).items() if isinstance(v, torch.Tensor)}
+    found.update({name: v for name, v in getattr(module, "_buffers", {}).items() if v is not None})
+    inner = getattr(module, "inner", None)
+    if inner is not None:
+        found.update({f"inner.{k}": v for k, v in _state_tensors(inner).items()})
+    return found
+
+
 class PhaseTimer:
     """Per-phase wall time of one eager step: CUDA events on a GPU, perf_counter on the CPU
     (where ops run synchronously)."""
@@ -139,6 +152,9 @@ class GenerationSession:
         self.cf_count = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
         self._ones = torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev)
         self._topk_kernel = _has_device_kernel("kdtree::draft_topk", dev)
+        # The drafter's state tensors as the graphs saw them; holding them keeps them alive (a
+        # graph must never write to freed memory) and tells when another session replaced them.
+        self._drafter_tensors = _state_tensors(drafter)
         self._prepare = getattr(drafter, "prepare", None) if drafter is not None else None
         self._timer: PhaseTimer | None = None
         self._timing: list | None = None
@@ -408,6 +424,12 @@ class GenerationSession:
         self.out[:, 0] = first
         self.out_len.fill_(1)
         self.done.copy_(self._is_eos(first) | (self.max_new_t <= 1))
+
+    def drafter_is_current(self) -> bool:
+        """Whether the drafter still holds the state tensors this session was built on (another
+        session's ``setup_cache`` replaces them; this session's graphs then must not run)."""
+        now = _state_tensors(self.drafter)
+        return all(now.get(name) is t for name, t in self._drafter_tensors.items())
 
     def remaining(self) -> int:
         """The most tokens a running request may still emit (0: every request is finished);
