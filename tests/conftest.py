@@ -22,3 +22,10 @@ def fresh_seed():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return seed
+
+
+def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
+    """Fill a block of the caching allocator with 0x5A and free it, so outputs the kernel under
+    test allocates from it show up if left unwritten."""
+    junk = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device="cuda")
+    del junk

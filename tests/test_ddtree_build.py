@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from torch_kdtree.ops import ddtree_build, ddtree_build_reference
 
-from .conftest import requires_cuda
+from .conftest import poison_cuda_allocator, requires_cuda
 from .ddtree_oracles import build_oracle, random_logprobs
 
 
@@ -175,12 +175,6 @@ def test_opcheck_cpu():
 
 # ------------------------------------------------------------------ CUDA kernel
 
-def _poison_cuda_allocator():
-    """Fill freshly freed cached blocks with a pattern so unwritten outputs show."""
-    junk = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device="cuda")
-    del junk
-
-
 @requires_cuda
 @pytest.mark.parametrize("R,L,K,budget,ties", [
     (1, 1, 1, 1, False), (1, 15, 64, 64, False), (8, 15, 64, 64, True), (3, 4, 3, 200, False),
@@ -192,7 +186,7 @@ def test_cuda_kernel_bit_identical_to_reference(R, L, K, budget, ties, fresh_see
     lp, ids = random_logprobs(R, L, K, g, ties=ties)
     roots = torch.randint(0, 1000, (R,), generator=g)
     ref = ddtree_build_reference(lp, ids, roots, budget)
-    _poison_cuda_allocator()
+    poison_cuda_allocator()
     out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
     for name, a, b in zip(ref._fields, ref, out):
         assert torch.equal(a, b.cpu()), f"{name} differs (seed {fresh_seed})"

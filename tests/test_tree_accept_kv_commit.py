@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from torch_kdtree.ops import (ddtree_build, ddtree_build_reference, kv_commit, kv_commit_reference, tree_accept,
                               tree_accept_reference)
 
-from .conftest import HAS_CUDA, requires_cuda
+from .conftest import HAS_CUDA, poison_cuda_allocator, requires_cuda
 from .ddtree_oracles import accept_oracle, commit_oracle, random_logprobs
 
 
@@ -189,8 +189,7 @@ def test_cuda_accept_bit_identical_to_reference(R, L, K, budget, fresh_seed):
     g = torch.Generator().manual_seed(fresh_seed)
     tree, post = _tree_and_targets(R, L, K, budget, g, p_follow=0.9)
     ref = tree_accept_reference(tree.tokens, tree.parents, post)
-    junk = torch.full((1 << 24,), 0x5A, dtype=torch.uint8, device="cuda")
-    del junk
+    poison_cuda_allocator(1 << 24)
     out = tree_accept(tree.tokens.cuda(), tree.parents.cuda(), post.cuda())
     for name, a, b in zip(ref._fields, ref, out):
         assert torch.equal(a, b.cpu()), f"{name} differs (seed {fresh_seed})"

@@ -7,6 +7,7 @@
 // appends, which touch no locale, and throw c10::Error (Python RuntimeError) directly.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
@@ -56,3 +57,15 @@ std::string cat(const Args&... args) {
                          ::kdtree::detail::cat(__VA_ARGS__));                                         \
     }                                                                                                 \
   } while (0)
+
+namespace kdtree {
+
+// The structural checks every CUDA entry point makes on a tensor argument of `op`.
+inline void check_cuda_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
+  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+}  // namespace kdtree

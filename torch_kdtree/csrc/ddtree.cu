@@ -308,19 +308,12 @@ __global__ void kv_commit_kernel(V* __restrict__ cache, const int32_t* __restric
   }
 }
 
-void check_cuda(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
-  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
     const at::Tensor& logprobs, const at::Tensor& token_ids, const at::Tensor& root_tokens, int64_t budget) {
   const char* op = "kdtree::ddtree_build";
-  check_cuda(logprobs, op, "logprobs", at::kFloat, 3);
-  check_cuda(token_ids, op, "token_ids", at::kLong, 3);
-  check_cuda(root_tokens, op, "root_tokens", at::kLong, 1);
+  check_cuda_tensor(logprobs, op, "logprobs", at::kFloat, 3);
+  check_cuda_tensor(token_ids, op, "token_ids", at::kLong, 3);
+  check_cuda_tensor(root_tokens, op, "root_tokens", at::kLong, 1);
   KD_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
               " != logprobs shape ", logprobs.sizes());
   const int64_t R = logprobs.size(0), L = logprobs.size(1), K = logprobs.size(2);
@@ -350,9 +343,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_accept_cuda(const at::Tensor& tokens, const at::Tensor& parents,
                                                                 const at::Tensor& target_tokens) {
   const char* op = "kdtree::tree_accept";
-  check_cuda(tokens, op, "tokens", at::kLong, 2);
-  check_cuda(parents, op, "parents", at::kInt, 2);
-  check_cuda(target_tokens, op, "target_tokens", at::kLong, 2);
+  check_cuda_tensor(tokens, op, "tokens", at::kLong, 2);
+  check_cuda_tensor(parents, op, "parents", at::kInt, 2);
+  check_cuda_tensor(target_tokens, op, "target_tokens", at::kLong, 2);
   KD_CHECK(parents.sizes() == tokens.sizes() && target_tokens.sizes() == tokens.sizes(), op,
               ": tokens, parents and target_tokens must share one [R, N] shape, got ", tokens.sizes(), ", ",
               parents.sizes(), ", ", target_tokens.sizes());
@@ -396,10 +389,10 @@ void kv_commit_cuda(at::Tensor kv_cache, const at::Tensor& block_table, const at
                   kv_cache.scalar_type() == at::kHalf,
               op, ": kv_cache must be bfloat16, float16 or float32, got ", kv_cache.scalar_type());
   KD_CHECK(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous");
-  check_cuda(block_table, op, "block_table", at::kInt, 2);
-  check_cuda(cache_lens, op, "cache_lens", at::kInt, 1);
-  check_cuda(indices, op, "indices", at::kInt, 2);
-  check_cuda(lengths, op, "lengths", at::kInt, 1);
+  check_cuda_tensor(block_table, op, "block_table", at::kInt, 2);
+  check_cuda_tensor(cache_lens, op, "cache_lens", at::kInt, 1);
+  check_cuda_tensor(indices, op, "indices", at::kInt, 2);
+  check_cuda_tensor(lengths, op, "lengths", at::kInt, 1);
   const int64_t R = block_table.size(0);
   KD_CHECK(cache_lens.size(0) == R && indices.size(0) == R && lengths.size(0) == R, op,
               ": block_table, cache_lens, indices and lengths must agree on R = ", R);

@@ -512,11 +512,7 @@ int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_key
 }
 
 void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, int dim) {
-  constexpr const char* op = "kdtree::mla_tree_attention";
-  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, " (the CUDA kernel), got ", t.scalar_type());
-  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  check_cuda_tensor(t, "kdtree::mla_tree_attention", name, dtype, dim);
 }
 
 void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,

@@ -584,11 +584,8 @@ Workspace workspace_layout(int64_t T, int64_t topk, int64_t E, int64_t H, int64_
   return w;
 }
 
-void check_cuda_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
-  KD_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
-  KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+void check_moe_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int dim) {
+  check_cuda_tensor(t, op, name, dtype, dim);
   KD_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0, op, ": ", name,
               " must be 16-byte aligned");
 }
@@ -687,15 +684,15 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& w2_q, const at::Tensor& w2_s, const at::Tensor& topk_ids,
                          const at::Tensor& topk_weights, const std::optional<at::Tensor>& expert_map,
                          int64_t group_size, int64_t block_size, int64_t k_splits) {
-  check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
-  check_cuda_tensor(w13_q, op, "w13_qweight", at::kInt, 4);
-  check_cuda_tensor(w13_s, op, "w13_scales", at::kBFloat16, 4);
-  check_cuda_tensor(w2_q, op, "w2_qweight", at::kInt, 4);
-  check_cuda_tensor(w2_s, op, "w2_scales", at::kBFloat16, 4);
+  check_moe_tensor(x, op, "x", at::kBFloat16, 2);
+  check_moe_tensor(w13_q, op, "w13_qweight", at::kInt, 4);
+  check_moe_tensor(w13_s, op, "w13_scales", at::kBFloat16, 4);
+  check_moe_tensor(w2_q, op, "w2_qweight", at::kInt, 4);
+  check_moe_tensor(w2_s, op, "w2_scales", at::kBFloat16, 4);
   KD_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong, op,
               ": topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
-  check_cuda_tensor(topk_ids, op, "topk_ids", topk_ids.scalar_type(), 2);
-  check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
+  check_moe_tensor(topk_ids, op, "topk_ids", topk_ids.scalar_type(), 2);
+  check_moe_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
   const at::Device dev = x.device();
   for (const at::Tensor* t : {&w13_q, &w13_s, &w2_q, &w2_s, &topk_ids, &topk_weights})
     KD_CHECK(t->device() == dev, op, ": all inputs must be on one device");
@@ -707,7 +704,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   d.topk = topk_ids.size(1);
   d.num_global = d.E;
   if (expert_map.has_value()) {
-    check_cuda_tensor(*expert_map, op, "expert_map", at::kInt, 1);
+    check_moe_tensor(*expert_map, op, "expert_map", at::kInt, 1);
     KD_CHECK(expert_map->device() == dev, op, ": all inputs must be on one device");
     d.num_global = expert_map->size(0);
   }
@@ -823,8 +820,8 @@ void int4_moe_out_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at::T
   const char* op = "kdtree::int4_moe_out";
   const MoeDims d = check_moe_inputs(op, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size,
                                      block_size, k_splits);
-  check_cuda_tensor(out, op, "out", at::kBFloat16, 2);
-  check_cuda_tensor(workspace, op, "workspace", at::kByte, 1);
+  check_moe_tensor(out, op, "out", at::kBFloat16, 2);
+  check_moe_tensor(workspace, op, "workspace", at::kByte, 1);
   KD_CHECK(out.device() == x.device() && workspace.device() == x.device(), op,
               ": all inputs must be on one device");
   KD_CHECK(out.sizes() == x.sizes(), op, ": out must be [T, H] = ", x.sizes(), ", got ", out.sizes());
