@@ -516,20 +516,37 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   bool refined = false;
   uint32_t floor_key = 0, floor_id = 0;
   auto id_key = [&](int base, int j, int e) -> uint32_t { return kIdMask - uint32_t(base + (j * kThreads + t) * W + e); };
-  auto passes = [&](int j, int e) -> bool {
+  auto passes_tau = [&](int j, int e) -> bool { return Sl::get(s[j], e) >= tau; };
+  auto passes_refined = [&](int j, int e) -> bool {
     const uint32_t key = Sl::get(s[j], e);
-    return key >= tau && (!refined || key > floor_key || (key == floor_key && id_key(c0, j, e) >= floor_id));
+    return key >= tau && (key > floor_key || (key == floor_key && id_key(c0, j, e) >= floor_id));
+  };
+  // The common path (not refined) gets its own loop: one compare per entry, few live registers.
+  auto count_passing = [&](auto passes) -> uint32_t {
+    uint32_t cnt = 0;
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int e = 0; e < W; ++e) cnt += passes(j, e) ? 1u : 0u;
+    return cnt;
+  };
+  auto gather = [&](auto passes, uint32_t pos) {
+    uint64_t* dst = cluster.map_shared_rank(sh.cand, 0);
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int e = 0; e < W; ++e)
+        if (passes(j, e)) {
+          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(Sl::get(s[j], e)) << kIdBits) | id_key(c0, j, e);
+          ++pos;
+        }
   };
 
   // Counts this thread's candidates, its first slot among the CTA's, the CTA's and the cluster's
   // totals and this CTA's first slot in the leader's cand[] (sh.cta_offset, sh.total).
   auto count_and_exchange = [&](bool with_stats) -> uint32_t {
     launder(s);
-    uint32_t cnt = 0;
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-#pragma unroll
-      for (int e = 0; e < W; ++e) cnt += passes(j, e) ? 1u : 0u;
+    const uint32_t cnt = refined ? count_passing(passes_refined) : count_passing(passes_tau);
     uint32_t incl = cnt;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -632,19 +649,9 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   }
 
   // ---- gather into the leader's cand[] (distributed shared memory) ----
-  {
-    launder(s);
-    uint64_t* dst = cluster.map_shared_rank(sh.cand, 0);
-    uint32_t pos = sh.cta_offset + first;
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-#pragma unroll
-      for (int e = 0; e < W; ++e)
-        if (passes(j, e)) {
-          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(Sl::get(s[j], e)) << kIdBits) | id_key(c0, j, e);
-          ++pos;
-        }
-  }
+  launder(s);
+  if (refined) gather(passes_refined, sh.cta_offset + first);
+  else gather(passes_tau, sh.cta_offset + first);
   const int ncand = int(min(sh.total, uint32_t(kCap)));
   cluster.sync();  // candidates in place; no CTA touches another's shared memory after this
   if (rank != 0) return;
