@@ -21,14 +21,17 @@
 //     round, until at most 2048 remain (keys are distinct, so the last digit leaves exactly k).
 //  4. every CTA writes its candidates into the leader CTA's shared memory; the leader combines
 //     the S (max, sum) pairs into log-sum-exp (the CTA holding the row max contributes its
-//     exp(x - max) terms unscaled), bitonic-sorts the <= 2048 candidate keys in registers
-//     (shuffles below stride 32, shared memory for 32..256) and writes the first k.
+//     exp(x - max) terms unscaled), trims more than 1024 candidates to exactly k (block radix
+//     select), bitonic-sorts the keys in registers (shuffles below stride 32, shared memory for
+//     32..256, in-thread above) and writes the first k.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
-// R=8).  At R=1 the 120 CTAs (one per SM) are latency bound: the load, four cluster barriers
-// (two threshold rounds, the count exchange, the gather), and the leader's sort (~66 stages at
-// k=1024, ~15 at k=16); per entry only ~15 instructions (convert, max, exp, two compares).
-// At R=8 (960 CTAs, 2 per SM for bf16 V=163840) the load and those instructions overlap
-// across CTAs.  Clusters need sm_90+ (sm_90 and sm_120 are the build targets).
+// R=8, 13 us).  At R=1 the 120 CTAs (one per SM) are latency bound: the load, four cluster
+// barriers (two threshold rounds, the count exchange, the gather) and the leader's sort (55
+// stages at k=1024, 15 at k=16; 64-bit keys, so the shuffle stages cost 2 warp-shuffles per key
+// against the SM's one per clock); per entry only ~15 instructions (convert, max, exp, two
+// compares).  At R=8 (960 CTAs, 2 per SM for bf16 V=163840: 64 registers, a few spilled) the
+// loads and the barrier waits of different CTAs overlap.  Clusters need sm_90+ (sm_90 and
+// sm_120 are the build targets).
 //
 // draft_topk_merge on [P, rows, k_in] candidates: one block per row runs a block-wide radix
 // select (11-bit digits, shared-memory histograms) and a bitonic sort over the P*k_in keys
@@ -664,6 +667,34 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   for (int q = 0; q < 4; ++q) {
     const int i = t + q * kThreads;
     v[q] = i < ncand ? sh.cand[i] : 0;  // 0 sorts below every real key
+  }
+  if (n2 > kMaxK) {  // n2 = 2048 > next_pow2(k)
+    // More than 1024 candidates (k = 1024 keeps ~1.2 k): select the k largest first (block radix
+    // select, ~2 digits) so the bitonic sort runs over 1024 keys instead of 2048; the shuffle
+    // stages, bound by the SM's one warp-shuffle per clock, dominate its cost.
+    __shared__ SelectShared sel;
+    auto key_at = [&](int q, uint64_t& key) -> bool {
+      key = v[q];
+      return key != 0;
+    };
+    uint64_t prefix;
+    int shift;
+    radix_select<kThreads, 4>(sel, key_at, 4, kKeyBits, uint32_t(k), false, prefix, shift);
+    if (t == 0) sel.count = 0;
+    __syncthreads();  // every thread read its v[] from cand[] before radix_select's barriers
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const bool take = v[q] != 0 && shr(v[q], shift) >= prefix;
+      const int pos = warp_claim(take, &sel.count);
+      if (take && pos < k) sh.cand[pos] = v[q];
+    }
+    __syncthreads();
+    n2 = next_pow2(k);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = t + q * kThreads;
+      v[q] = i < k ? sh.cand[i] : 0;
+    }
   }
   bitonic_sort_regs(v, n2, sh.cand);
   const float m = sh.row_max, ls = sh.row_logsum;
