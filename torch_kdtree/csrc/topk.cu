@@ -482,7 +482,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   // At least k entries (those maxima) are >= it, so every top-k entry is: it is a valid lower
   // bound for the candidates, and with many more threads than k it keeps about 1.15 k entries.
   const uint32_t m16 = Sl::top16(tmax);
-  if (tmax != 0) atomicAdd(&sh.hist[0][m16 >> 8], 1u);
+  hist_add(sh.hist[0], tmax != 0, m16 >> 8);  // warp-aggregated: most maxima share a bin
   uint32_t ckey = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) ckey = max(ckey, sh.warp_u[w]);
@@ -507,7 +507,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     ++round;
     if (hi.found) {  // otherwise fewer than k threads hold entries: keep them all
       need -= hi.above;
-      if (tmax != 0 && (m16 >> 8) == hi.bin) atomicAdd(&sh.hist[1][m16 & 0xFFu], 1u);
+      hist_add(sh.hist[1], tmax != 0 && (m16 >> 8) == hi.bin, m16 & 0xFFu);
       const Digit lo = cluster_pick(cluster, sh, sh.hist[1], S, need);
       ++round;
       const uint32_t t16 = (hi.bin << 8) | lo.bin;  // lo.found: bin hi.bin holds >= need maxima
@@ -632,7 +632,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
         for (int e = 0; e < W; ++e) {
           const uint32_t key = Sl::get(s[j], e);
           const uint64_t f = (uint64_t(key) << kIdBits) | id_key(base, j, e);
-          if (key >= tau && (f >> shift) == prefix) atomicAdd(&h[uint32_t(f >> low) & ((1u << d) - 1u)], 1u);
+          hist_add(h, key >= tau && (f >> shift) == prefix, uint32_t(f >> low) & ((1u << d) - 1u));
         }
       const Digit g = cluster_pick(cluster, sh, h, S, need);
       ++round;
