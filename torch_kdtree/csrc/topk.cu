@@ -33,13 +33,12 @@
 // loads and the barrier waits of different CTAs overlap.  Clusters need sm_90+ (sm_90 and
 // sm_120 are the build targets).
 //
-// draft_topk_merge on [P, rows, k_in] candidates: one block per row runs a block-wide radix
-// select (11-bit digits, shared-memory histograms) and a bitonic sort over the P*k_in keys
-// (id_bits = 32, re-read from global/L2 on every digit) and logsumexp over the P parts' lse.
+// draft_topk_merge: csrc/topk_merge.cu; the block-wide select helpers: csrc/topk_select.cuh.
 //
 // Every size is fixed by the shapes (no host sync, no data-dependent allocation), so all three
 // ops can be captured in CUDA graphs.
 #include "check.h"
+#include "topk_select.cuh"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
@@ -52,210 +51,6 @@ namespace kdtree {
 namespace {
 
 namespace cg = cooperative_groups;
-
-constexpr int kMaxK = 1024;
-constexpr int kMaxVocab = 262144;
-// the merge kernel's block-wide select
-constexpr int kDigitBits = 11;
-constexpr int kBins = 1 << kDigitBits;
-constexpr int kRowThreads = 1024;
-static_assert(kRowThreads >= kMaxK, "the merge sort holds one key per thread");
-static_assert(kBins % kRowThreads == 0, "bins split evenly over threads");
-
-struct Bf16 {
-  using Raw = uint16_t;
-  using ChunkKey = uint32_t;  // 16 value bits + 14 index bits
-  static constexpr int kBits = 16;
-  static constexpr int kVec = 8;  // per 16-byte load
-  __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw << 16); }
-  __device__ static uint32_t orderable(uint32_t raw) {
-    uint32_t u = raw & 0xFFFFu;
-    const uint32_t mag = u & 0x7FFFu;
-    if (mag == 0) u = 0;                    // -0 == +0
-    else if (mag > 0x7F80u) u = 0x7FC0u;    // NaN
-    return (u & 0x8000u) ? (~u & 0xFFFFu) : (u | 0x8000u);
-  }
-  __device__ static uint32_t from_orderable(uint32_t o) {
-    return (o & 0x8000u) ? (o & 0x7FFFu) : (~o & 0xFFFFu);
-  }
-};
-
-struct F32 {
-  using Raw = uint32_t;
-  using ChunkKey = uint64_t;  // 32 value bits + 14 index bits
-  static constexpr int kBits = 32;
-  static constexpr int kVec = 4;
-  __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw); }
-  __device__ static uint32_t orderable(uint32_t u) {
-    const uint32_t mag = u & 0x7FFFFFFFu;
-    if (mag == 0) u = 0;
-    else if (mag > 0x7F800000u) u = 0x7FC00000u;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  }
-  __device__ static uint32_t from_orderable(uint32_t o) {
-    return (o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o;
-  }
-};
-
-struct SelectShared {
-  uint32_t hist[kBins];
-  uint32_t warp_total[32];
-  uint32_t bin, above, cnt;  // the current digit's decision
-  uint32_t count;            // compaction cursor
-  float red[32];
-  float bcast;
-};
-
-template <typename Key>
-__device__ __forceinline__ Key shr(Key x, int s) { return s >= int(8 * sizeof(Key)) ? Key(0) : Key(x >> s); }
-
-// Adds one to hist[bin] for every active lane; lanes with equal bins add once (peaked logits put
-// most of a warp into one bin).  All 32 lanes must call it.
-__device__ __forceinline__ void hist_add(uint32_t* hist, bool active, uint32_t bin) {
-  if (__ballot_sync(0xFFFFFFFFu, active) == 0) return;  // later digits: most warps match nothing
-  const uint32_t peers = __match_any_sync(0xFFFFFFFFu, active ? bin : 0xFFFFFFFFu);
-  if (active && __ffs(peers) - 1 == int(threadIdx.x & 31)) atomicAdd(&hist[bin], uint32_t(__popc(peers)));
-}
-
-// A slot for every lane with take = true, from one atomic per warp.  All 32 lanes must call it.
-__device__ __forceinline__ int warp_claim(bool take, uint32_t* cursor) {
-  const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, take);
-  if (ballot == 0) return -1;
-  const int lane = threadIdx.x & 31;
-  const int leader = __ffs(ballot) - 1;
-  uint32_t base = 0;
-  if (lane == leader) base = atomicAdd(cursor, uint32_t(__popc(ballot)));
-  base = __shfl_sync(0xFFFFFFFFu, base, leader);
-  return take ? int(base + __popc(ballot & ((1u << lane) - 1u))) : -1;
-}
-
-template <int THREADS>
-__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_total) {
-  constexpr int kWarps = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, v, off);
-    if (lane >= off) v += t;
-  }
-  if (lane == 31) warp_total[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    uint32_t w = lane < kWarps ? warp_total[lane] : 0u;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, w, off);
-      if (lane >= off) w += t;
-    }
-    if (lane < kWarps) warp_total[lane] = w;
-  }
-  __syncthreads();
-  return v + (warp > 0 ? warp_total[warp - 1] : 0u);
-}
-
-
-// Block-wide radix select.  key_at(j, key) yields this thread's j-th key and whether it exists,
-// for j < iters (the same iters in every thread; ITERS > 0 fixes it at compile time so that keys
-// held in a register array stay in registers).  Keys are distinct and below 2^bits (bits >= 11),
-// and at least k of them exist.  With first_digit_counted, sh.hist already holds the counts of
-// the top 11-bit digit of every key (and a barrier has passed since).  On return, exactly k keys
-// satisfy shr(key, shift) >= prefix: they are the k largest.  Every thread returns the same
-// (prefix, shift).
-template <int THREADS, int ITERS, typename Key, typename KeyAt>
-__device__ void radix_select(SelectShared& sh, KeyAt key_at, int iters, int bits, uint32_t k,
-                             bool first_digit_counted, Key& prefix_out, int& shift_out) {
-  constexpr int kPerThread = kBins / THREADS;
-  Key prefix = 0;
-  int shift = bits;
-  uint32_t need = k;  // keys still to take among those matching prefix
-  bool counted = first_digit_counted;
-  while (shift > 0) {
-    const int d = shift < kDigitBits ? shift : kDigitBits;
-    const int low = shift - d;
-    const uint32_t mask = (1u << d) - 1u;
-    if (!counted) {
-      for (int b = threadIdx.x; b < kBins; b += THREADS) sh.hist[b] = 0;
-      __syncthreads();
-      const int n_it = ITERS > 0 ? ITERS : iters;
-#pragma unroll
-      for (int j = 0; j < n_it; ++j) {
-        Key key;
-        const bool valid = key_at(j, key);
-        hist_add(sh.hist, valid && shr(key, shift) == prefix, uint32_t(key >> low) & mask);
-      }
-    }
-    counted = false;
-    __syncthreads();
-    // Everyone has read the previous digit's decision by now.  The default only survives if the
-    // counts were inconsistent (never for valid inputs); it keeps the loop finite.
-    if (threadIdx.x == 0) {
-      sh.bin = 0;
-      sh.above = 0;
-      sh.cnt = 0xFFFFFFFFu;
-    }
-    // Thread t owns bins [hi - kPerThread, hi), counted from the top, so an inclusive scan
-    // gives the number of keys in bins >= its lowest bin.
-    const int hi = kBins - int(threadIdx.x) * kPerThread;
-    uint32_t local = 0;
-#pragma unroll
-    for (int b = 1; b <= kPerThread; ++b) local += sh.hist[hi - b];
-    const uint32_t incl = block_inclusive_scan<THREADS>(local, sh.warp_total);
-    const uint32_t excl = incl - local;
-    if (excl < need && need <= incl) {  // exactly one thread: the need-th key is in its bins
-      uint32_t acc = excl;
-#pragma unroll
-      for (int b = 1; b <= kPerThread; ++b) {
-        const uint32_t c = sh.hist[hi - b];
-        if (acc + c >= need) {
-          sh.bin = uint32_t(hi - b);
-          sh.above = acc;
-          sh.cnt = c;
-          break;
-        }
-        acc += c;
-      }
-    }
-    __syncthreads();
-    const uint32_t bin = sh.bin, above = sh.above, cnt = sh.cnt;
-    prefix = (prefix << d) | bin;
-    need -= above;
-    shift = low;
-    if (cnt == need) break;  // the k-th key's bin is taken whole
-  }
-  prefix_out = prefix;
-  shift_out = shift;
-}
-
-// Bitonic sort, descending, of n <= 1024 keys held one per thread of a 1024-thread block
-// (thread t holds element t; threads t >= n hold anything and do not disturb [0, n)).  Strides
-// below 32 exchange through shuffles, larger ones through buf[1024]; returns thread t's sorted key.
-__device__ uint64_t bitonic_sort_desc_1024(uint64_t v, uint64_t* buf, int n) {
-  const int t = threadIdx.x;
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      uint64_t other;
-      if (stride >= 32) {
-        buf[t] = v;
-        __syncthreads();
-        other = buf[t ^ stride];
-        __syncthreads();
-      } else {
-        other = __shfl_xor_sync(0xFFFFFFFFu, v, stride);
-      }
-      // In a descending run the lower index of a pair keeps the larger key.
-      const bool desc = (t & size) == 0;
-      const bool lower = (t & stride) == 0;
-      v = (lower == desc) ? (v > other ? v : other) : (v < other ? v : other);
-    }
-  }
-  return v;
-}
-
-__device__ __forceinline__ int next_pow2(int k) {
-  int n = 1;
-  while (n < k) n <<= 1;
-  return n;
-}
 
 // --------------------------------------------------------------------------------------------
 // draft_topk / draft_topk_partial: one thread-block cluster per row
@@ -712,63 +507,6 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   if (partial && t == 0) out_lse[row] = ls + m;  // torch.logsumexp's log(sum) + max
 }
 
-__global__ void __launch_bounds__(kRowThreads, 1)
-topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ ids, const float* __restrict__ lse,
-                  int P, int64_t rows, int kin, int k, float* __restrict__ out_lp, int64_t* __restrict__ out_id) {
-  __shared__ SelectShared sh;
-  __shared__ uint64_t sorted[kRowThreads];
-  __shared__ float row_lse;
-  const int64_t row = blockIdx.x;
-  const int n = P * kin;
-  const int n2 = next_pow2(k);
-  sorted[threadIdx.x] = 0;
-  if (threadIdx.x < 32) {  // logsumexp over the parts, as torch.logsumexp (an infinite max counts as 0)
-    const int lane = threadIdx.x;
-    float m = -INFINITY;
-    for (int p = lane; p < P; p += 32) m = fmaxf(m, lse[p * rows + row]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    const float mu = isinf(m) ? 0.0f : m;
-    float s = 0.0f;
-    for (int p = lane; p < P; p += 32) s += expf(lse[p * rows + row] - mu);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, off);
-    if (lane == 0) row_lse = logf(s) + mu;
-  }
-  auto key_at = [&](int j, uint64_t& key) -> bool {
-    const int i = j * kRowThreads + int(threadIdx.x);
-    if (i >= n) {
-      key = 0;
-      return false;
-    }
-    const int p = i / kin, q = i - p * kin;
-    const int64_t o = (int64_t(p) * rows + row) * kin + q;
-    key = (uint64_t(F32::orderable(__float_as_uint(values[o]))) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(ids[o]));
-    return true;
-  };
-  const int iters = (n + kRowThreads - 1) / kRowThreads;
-  uint64_t prefix;
-  int shift;
-  radix_select<kRowThreads, 0>(sh, key_at, iters, 64, uint32_t(k), false, prefix, shift);
-  if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
-  for (int j = 0; j < iters; ++j) {
-    uint64_t key;
-    const bool take = key_at(j, key) && shr(key, shift) >= prefix;
-    const int pos = warp_claim(take, &sh.count);
-    if (take && pos < k) sorted[pos] = key;
-  }
-  __syncthreads();
-  const uint64_t key = bitonic_sort_desc_1024(sorted[threadIdx.x], sorted, n2);
-  const float lse_all = row_lse;
-  if (int(threadIdx.x) < k) {
-    const int i = threadIdx.x;
-    const int64_t o = row * k + i;
-    out_lp[o] = __uint_as_float(F32::from_orderable(uint32_t(key >> 32))) - lse_all;
-    out_id[o] = int64_t(0xFFFFFFFFu - uint32_t(key));
-  }
-}
-
 // --------------------------------------------------------------------------------------------
 // host side
 // --------------------------------------------------------------------------------------------
@@ -875,49 +613,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_topk_partial_cuda(const at:
   return {values, ids, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> draft_topk_merge_cuda(const at::Tensor& values, const at::Tensor& token_ids,
-                                                        const at::Tensor& lse, int64_t k) {
-  const char* op = "kdtree::draft_topk_merge";
-  KD_CHECK(values.is_cuda() && token_ids.is_cuda() && lse.is_cuda(), op, ": inputs must be CUDA tensors");
-  KD_CHECK(values.device() == token_ids.device() && values.device() == lse.device(), op,
-              ": all inputs must be on one device");
-  KD_CHECK(values.scalar_type() == at::kFloat, op, ": values must be float32, got ", values.scalar_type());
-  KD_CHECK(token_ids.scalar_type() == at::kLong, op, ": token_ids must be int64, got ", token_ids.scalar_type());
-  KD_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
-  KD_CHECK(values.dim() == 4, op, ": values must have 4 dimensions [P, R, L, k_in], got shape ", values.sizes());
-  KD_CHECK(token_ids.sizes() == values.sizes(), op, ": token_ids shape ", token_ids.sizes(), " != values shape ",
-              values.sizes());
-  KD_CHECK(lse.dim() == 3 && lse.size(0) == values.size(0) && lse.size(1) == values.size(1) &&
-                  lse.size(2) == values.size(2),
-              op, ": lse must have shape [P, R, L], got ", lse.sizes());
-  KD_CHECK(values.is_contiguous() && token_ids.is_contiguous() && lse.is_contiguous(), op,
-              ": values, token_ids and lse must be contiguous");
-  const int64_t P = values.size(0), R = values.size(1), L = values.size(2), kin = values.size(3);
-  KD_CHECK(P >= 1 && kin >= 1, op, ": need at least one part with at least one entry");
-  KD_CHECK(k >= 1 && k <= kMaxK, op, ": k must be in [1, ", kMaxK, "], got ", k);
-  KD_CHECK(k <= P * kin, op, ": k = ", k, " exceeds the ", P, " x ", kin, " candidates");
-  KD_CHECK(P * kin <= (int64_t(1) << 30), op, ": too many candidates per row (P * k_in = ", P * kin, ")");
-  const c10::cuda::CUDAGuard guard(values.device());
-  auto opts = values.options();
-  at::Tensor logprobs = at::empty({R, L, k}, opts);
-  at::Tensor ids = at::empty({R, L, k}, opts.dtype(at::kLong));
-  const int64_t rows = R * L;
-  KD_CHECK(rows <= INT32_MAX, op, ": R * L = ", rows, " rows is too many for one launch");
-  if (rows > 0) {
-    topk_merge_kernel<<<unsigned(rows), kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        values.data_ptr<float>(), token_ids.data_ptr<int64_t>(), lse.data_ptr<float>(), int(P), rows, int(kin),
-        int(k), logprobs.data_ptr<float>(), ids.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return {logprobs, ids};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
   m.impl("draft_topk", &draft_topk_cuda);
   m.impl("draft_topk_partial", &draft_topk_partial_cuda);
-  m.impl("draft_topk_merge", &draft_topk_merge_cuda);
 }
 
 }  // namespace kdtree
