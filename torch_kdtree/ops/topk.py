@@ -17,7 +17,7 @@ the P results, ``draft_topk_merge`` returns exactly the ids of the unsplit call 
 up to float32 rounding.
 
 The functions named ``*_reference`` are the ground truth and the CPU kernels; the CUDA kernels
-live in ``csrc/topk.cu``.
+live in ``csrc/topk.cu`` (draft_topk, draft_topk_partial) and ``csrc/topk_merge.cu``.
 """
 from __future__ import annotations
 
