@@ -162,8 +162,8 @@ __device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
             const int i = t + q * kThreads;
             v[q] = keep(v[q], buf[i ^ stride], i, size, stride);
           }
-      } else {
-#pragma unroll
+      } else if ((t & ~31) < n2) {  // warp-uniform: warps holding only padding (n2 < 512) idle,
+#pragma unroll                     // leaving the SM's shuffle unit to the others
         for (int q = 0; q < 4; ++q)
           if (q < Q) {
             const int i = t + q * kThreads;
