@@ -45,6 +45,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace kdtree {
@@ -542,6 +543,50 @@ void check_logits(const char* op, const at::Tensor& logits, int64_t k) {
   KD_CHECK(k <= V, op, ": k = ", k, " exceeds the vocabulary size V = ", V);
 }
 
+// A launch with no more CTAs than SMs (R = 1: 120 CTAs) is latency bound, and each CTA has a
+// whole SM's worth of per-entry work; the 64-register instances would let two CTAs share an SM.
+// Asking for more than half of an SM's shared memory keeps them one per SM, used only when the
+// GPU still holds every cluster at once that way (cudaOccupancyMaxActiveClusters, cached per
+// instance, S and device).  Returns the dynamic shared memory to request (0: no spreading).
+template <typename Tr, int NV>
+size_t spread_smem(int64_t rows, int S, cudaStream_t stream) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  if (rows * S > prop->multiProcessorCount || device >= 64) return 0;
+  const size_t dyn = prop->sharedMemPerMultiprocessor / 2 + 1;
+  auto kernel = topk_cluster_kernel<Tr, NV>;
+  cudaFuncAttributes fa;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  if (fa.sharedSizeBytes + dyn > prop->sharedMemPerBlockOptin) return 0;
+  static std::atomic<int> max_clusters[4][64];  // [log2 S][device]: max active clusters + 1, 0 = unknown
+  const int lg = S >= 8 ? 3 : S >= 4 ? 2 : S >= 2 ? 1 : 0;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+  int cached = max_clusters[lg][device].load();
+  if (cached == 0) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(rows * S));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = dyn;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(S);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // no answer: do not spread
+      n = 0;
+    }
+    cached = n + 1;
+    max_clusters[lg][device].store(cached);
+  }
+  return rows <= int64_t(cached - 1) ? dyn : 0;
+}
+
 template <typename Tr, int NV>
 void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& plan, int64_t k, int64_t vocab_start,
                     bool partial, at::Tensor& out_val, at::Tensor& out_id, at::Tensor& out_lse) {
@@ -551,8 +596,8 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(rows * plan.S));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
   cfg.stream = at::cuda::getCurrentCUDAStream();
+  cfg.dynamicSmemBytes = spread_smem<Tr, NV>(rows, plan.S, cfg.stream);  // unused by the kernel
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = unsigned(plan.S);
