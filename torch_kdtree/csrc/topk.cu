@@ -10,28 +10,28 @@
 // threads each) per row of logits [rows = R*L, V]; CTA c owns the row's entries [c*C, c*C + C)
 // and keeps them in registers as orderable keys (NV slots of 16 bytes per thread, 16-byte loads
 // where the row is aligned).  The CTAs talk through distributed shared memory and cluster
-// barriers (no workspace, no atomics in global memory, no second launch):
+// barriers (no workspace, no atomics in global memory, no second launch), three barriers a row:
 //  1. each CTA: max, sum(exp(x - CTA max)) (ex2.approx), and each thread's largest key.
 //  2. threshold tau = the k-th largest of the row's per-thread maxima (two 8-bit radix rounds
 //     on 16 key bits, every CTA summing the S histograms itself).  At least k entries are >= tau,
 //     so every top-k entry is; with 4096 threads per row it keeps ~1.15 k entries (k = 1024,
 //     normal logits) down to ~k (small k).  Fewer threads with entries than k: tau keeps all.
-//  3. count the entries >= tau (block scan gives each thread its slots); if more than 2048
-//     (ties, flat rows), continue the radix select on the full keys of those entries, 8 bits a
-//     round, until at most 2048 remain (keys are distinct, so the last digit leaves exactly k).
-//  4. every CTA writes its candidates into the leader CTA's shared memory; the leader combines
-//     the S (max, sum) pairs into log-sum-exp (the CTA holding the row max contributes its
-//     exp(x - max) terms unscaled), trims more than 1024 candidates to exactly k (block radix
-//     select), bitonic-sorts the keys in registers (shuffles below stride 32, shared memory for
-//     32..256, in-thread above) and writes the first k.
+//  3. every warp reserves slots in the leader CTA's candidate buffer (one remote atomic) and
+//     writes its entries >= tau there (distributed shared memory), each CTA its (max, sum) too.
+//  4. the leader combines the S (max, sum) pairs into log-sum-exp (the CTA holding the row max
+//     contributes its exp(x - max) terms unscaled).  More than 2048 candidates (ties, flat rows):
+//     the exact top k by a block radix select over the whole row, re-read from L2 (slow, never
+//     for the bench's rows).  More than 1024: trimmed to exactly k (block radix select).  Then a
+//     bitonic sort of the keys in registers (shuffles below stride 32, shared memory for
+//     32..256, in-thread above), and the first k are written.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
-// R=8, 13 us).  At R=1 the 120 CTAs (one per SM) are latency bound: the load, four cluster
-// barriers (two threshold rounds, the count exchange, the gather) and the leader's sort (55
-// stages at k=1024, 15 at k=16; 64-bit keys, so the shuffle stages cost 2 warp-shuffles per key
-// against the SM's one per clock); per entry only ~15 instructions (convert, max, exp, two
-// compares).  At R=8 (960 CTAs, 2 per SM for bf16 V=163840: 64 registers, a few spilled) the
-// loads and the barrier waits of different CTAs overlap.  Clusters need sm_90+ (sm_90 and
-// sm_120 are the build targets).
+// R=8, 13 us).  Measured (H200, first version with four barriers and no trim): R=1 14-19 us for
+// k <= 256, 30 us at k=1024; R=8 72-133 us: a row is a latency chain (load, barriers, the leader's
+// sort: 55 stages at k=1024, 15 at k=16, 64-bit keys, so the shuffle stages cost 2 warp-shuffles
+// per key against the SM's one per clock), and R=8 runs ~3.6 waves of such chains.  Per entry
+// ~25 instructions (convert, max, exp, compares).  bf16 V=163840 uses 64 registers (a few spill)
+// so two CTAs can share an SM at R=8; at R=1 the launch asks for over half an SM's shared memory
+// to keep one CTA per SM.  Clusters need sm_90+ (sm_90 and sm_120 are the build targets).
 //
 // draft_topk_merge: csrc/topk_merge.cu; the block-wide select helpers: csrc/topk_select.cuh.
 //
@@ -69,14 +69,14 @@ static_assert(2 * kDigitBins == kThreads, "one thread zeroes one bin of the two 
 static_assert(kCap >= 2 * kMaxK && kCap % kThreads == 0 && kCap / kThreads <= 4, "sort layout");
 
 struct TopkShared {
-  uint32_t hist[2][kDigitBins];  // this CTA's digit counts; alternate rounds use alternate halves
+  uint32_t hist[2][kDigitBins];  // this CTA's digit counts for the two threshold rounds
   uint32_t warp_u[kWarps];       // warp max keys, later warp candidate counts
   float warp_f[kWarps];          // warp sums of exp
   uint32_t scan_tot[kDigitBins / 32];
   uint32_t dec_bin, dec_above, dec_cnt, dec_found;  // the current digit's decision
-  uint32_t cta_count;            // published to the cluster: this CTA's candidates
-  float cta_max, cta_sum;        // published to the cluster: max and sum(exp(x - max))
-  uint32_t cta_offset, total;    // this CTA's first slot in the leader's cand[], the cluster's count
+  uint32_t cursor;               // leader only: candidates claimed (may pass kCap)
+  float cta_max[kMaxCluster];    // leader only: each CTA's max and sum(exp(x - max))
+  float cta_sum[kMaxCluster];
   float row_max, row_logsum;     // leader only
   uint64_t cand[kCap];           // leader only: the gathered candidates' keys
 };
@@ -237,6 +237,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   const Raw* src = logits + row * int64_t(V) + c0;
 
   (&sh.hist[0][0])[t] = 0;
+  if (t == 0) sh.cursor = 0;  // the others add to the leader's only after a cluster barrier
 
   // ---- load: 16-byte loads of whole slots where aligned, scalar loads for the rest ----
   uint4 s[NV];
@@ -295,165 +296,115 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
         tsum += key != 0 ? p : 0.0f;
       }
   }
-  int round = 0;  // cluster_pick rounds so far: round r counts into hist[r & 1]
   uint32_t tau = 1;  // candidates: key >= tau (1: every entry)
   {
     uint32_t need = uint32_t(k);
     const Digit hi = cluster_pick(cluster, sh, sh.hist[0], S, need);
-    ++round;
     if (hi.found) {  // otherwise fewer than k threads hold entries: keep them all
       need -= hi.above;
       hist_add(sh.hist[1], tmax != 0 && (m16 >> 8) == hi.bin, m16 & 0xFFu);
       const Digit lo = cluster_pick(cluster, sh, sh.hist[1], S, need);
-      ++round;
       const uint32_t t16 = (hi.bin << 8) | lo.bin;  // lo.found: bin hi.bin holds >= need maxima
       tau = max(1u, Tr::kBits == 16 ? t16 : t16 << 16);
     }
   }
 
-  // Candidate filter: key >= tau, and (after a refinement) full key >= floor_key:floor_id.
-  bool refined = false;
-  uint32_t floor_key = 0, floor_id = 0;
-  auto id_key = [&](int base, int j, int e) -> uint32_t { return kIdMask - uint32_t(base + (j * kThreads + t) * W + e); };
-  auto passes_tau = [&](int j, int e) -> bool { return Sl::get(s[j], e) >= tau; };
-  auto passes_refined = [&](int j, int e) -> bool {
-    const uint32_t key = Sl::get(s[j], e);
-    return key >= tau && (key > floor_key || (key == floor_key && id_key(c0, j, e) >= floor_id));
-  };
-  // The common path (not refined) gets its own loop: one compare per entry, few live registers.
-  auto count_passing = [&](auto passes) -> uint32_t {
-    uint32_t cnt = 0;
+  // ---- gather the entries >= tau into the leader's cand[] (distributed shared memory) ----
+  // One remote atomic per warp reserves its slots; the sort makes the order irrelevant.  Past
+  // kCap nothing is written, and the leader falls back to an exact select (below).
+  auto id_key = [&](int j, int e) -> uint32_t { return kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e); };
+  launder(s);
+  uint32_t cnt = 0;
 #pragma unroll
-    for (int j = 0; j < NV; ++j)
+  for (int j = 0; j < NV; ++j)
 #pragma unroll
-      for (int e = 0; e < W; ++e) cnt += passes(j, e) ? 1u : 0u;
-    return cnt;
-  };
-  auto gather = [&](auto passes, uint32_t pos) {
+    for (int e = 0; e < W; ++e) cnt += Sl::get(s[j], e) >= tau ? 1u : 0u;
+  uint32_t incl = cnt;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+    if (lane >= off) incl += x;
+  }
+  uint32_t base = 0;
+  if (lane == 31 && incl != 0) base = atomicAdd(cluster.map_shared_rank(&sh.cursor, 0), incl);
+  base = __shfl_sync(0xFFFFFFFFu, base, 31);
+  float ws = tsum;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
+  if (lane == 0) sh.warp_f[warp] = ws;
+  {
+    launder(s);
     uint64_t* dst = cluster.map_shared_rank(sh.cand, 0);
+    uint32_t pos = base + incl - cnt;
 #pragma unroll
     for (int j = 0; j < NV; ++j)
 #pragma unroll
-      for (int e = 0; e < W; ++e)
-        if (passes(j, e)) {
-          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(Sl::get(s[j], e)) << kIdBits) | id_key(c0, j, e);
+      for (int e = 0; e < W; ++e) {
+        const uint32_t key = Sl::get(s[j], e);
+        if (key >= tau) {
+          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(key) << kIdBits) | id_key(j, e);
           ++pos;
         }
-  };
-
-  // Counts this thread's candidates, its first slot among the CTA's, the CTA's and the cluster's
-  // totals and this CTA's first slot in the leader's cand[] (sh.cta_offset, sh.total).
-  auto count_and_exchange = [&](bool with_stats) -> uint32_t {
-    launder(s);
-    const uint32_t cnt = refined ? count_passing(passes_refined) : count_passing(passes_tau);
-    uint32_t incl = cnt;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-      if (lane >= off) incl += x;
-    }
-    if (lane == 31) sh.warp_u[warp] = incl;
-    if (with_stats) {
-      float ws = tsum;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
-      if (lane == 0) sh.warp_f[warp] = ws;
-    }
-    __syncthreads();
-    uint32_t before = 0, cta_total = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const uint32_t c = sh.warp_u[w];
-      before += w < warp ? c : 0u;
-      cta_total += c;
-    }
-    if (t == 0) {
-      sh.cta_count = cta_total;
-      if (with_stats) {
-        float cs = 0.0f;
-        for (int w = 0; w < kWarps; ++w) cs += sh.warp_f[w];
-        sh.cta_max = cmax;
-        sh.cta_sum = cmax == -INFINITY ? 0.0f : cs;
       }
-    }
-    cluster.sync();
-    if (warp == 0) {
-      const uint32_t c = lane < S ? *cluster.map_shared_rank(&sh.cta_count, lane) : 0u;
-      const uint32_t off = __reduce_add_sync(0xFFFFFFFFu, lane < rank ? c : 0u);
-      const uint32_t total = __reduce_add_sync(0xFFFFFFFFu, c);
-      if (lane == 0) {
-        sh.cta_offset = off;
-        sh.total = total;
-      }
-    }
-    if (with_stats && rank == 0 && warp == 1) {  // the row's max and log(sum(exp(x - max)))
-      const float m = lane < S ? *cluster.map_shared_rank(&sh.cta_max, lane) : -INFINITY;
-      const float sm = lane < S ? *cluster.map_shared_rank(&sh.cta_sum, lane) : 0.0f;
-      float rm = m;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
-      // the CTA holding the row max contributes its exp(x - max) terms unscaled
-      float part = m == -INFINITY ? 0.0f : (m == rm ? sm : sm * expf(m - rm));
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, off);
-      if (lane == 0) {
-        sh.row_max = rm;
-        sh.row_logsum = logf(part);
-      }
-    }
-    __syncthreads();
-    return before + incl - cnt;
-  };
-
-  uint32_t first = count_and_exchange(true);
-  if (sh.total > uint32_t(kCap)) {
-    // Too many entries tie with or sit above tau (ties, flat rows): select on the full keys
-    // (value, then lower id) among them, 8 bits a round, until at most kCap remain.  Keys are
-    // distinct, so the last digit leaves exactly k.
-    uint32_t need = uint32_t(k), above = 0;
-    uint64_t prefix = 0;  // the top kKeyBits - shift bits of the need-th largest key
-    int shift = kKeyBits;
-    while (true) {
-      const int d = shift < 8 ? shift : 8;
-      const int low = shift - d;
-      uint32_t* h = sh.hist[round & 1];
-      if (t < kDigitBins) h[t] = 0;  // its last readers passed the cluster barrier of the last round
-      __syncthreads();
-      int base = c0;
-      asm volatile("" : "+r"(base));  // keeps the 64-bit keys from being hoisted (and held) across rounds
-      launder(s);
-#pragma unroll
-      for (int j = 0; j < NV; ++j)
-#pragma unroll
-        for (int e = 0; e < W; ++e) {
-          const uint32_t key = Sl::get(s[j], e);
-          const uint64_t f = (uint64_t(key) << kIdBits) | id_key(base, j, e);
-          hist_add(h, key >= tau && (f >> shift) == prefix, uint32_t(f >> low) & ((1u << d) - 1u));
-        }
-      const Digit g = cluster_pick(cluster, sh, h, S, need);
-      ++round;
-      prefix = (prefix << d) | (g.found ? g.bin : 0u);
-      shift = low;
-      if (!g.found) break;  // inconsistent counts (never for valid inputs); keeps the loop finite
-      above += g.above;
-      need -= g.above;
-      if (above + g.cnt <= uint32_t(kCap) || shift == 0) break;
-    }
-    // keys >= prefix << shift: exactly the above + cnt entries the last round counted
-    const uint64_t lo = prefix << shift;
-    floor_key = uint32_t(lo >> kIdBits);
-    floor_id = uint32_t(lo) & kIdMask;
-    refined = true;
-    first = count_and_exchange(false);
   }
-
-  // ---- gather into the leader's cand[] (distributed shared memory) ----
-  launder(s);
-  if (refined) gather(passes_refined, sh.cta_offset + first);
-  else gather(passes_tau, sh.cta_offset + first);
-  const int ncand = int(min(sh.total, uint32_t(kCap)));
-  cluster.sync();  // candidates in place; no CTA touches another's shared memory after this
+  __syncthreads();  // warp sums in place
+  if (t == 0) {     // this CTA's max and sum(exp(x - max)), into the leader's shared memory
+    float cs = 0.0f;
+    for (int w = 0; w < kWarps; ++w) cs += sh.warp_f[w];
+    TopkShared* leader = cluster.map_shared_rank(&sh, 0);
+    leader->cta_max[rank] = cmax;
+    leader->cta_sum[rank] = cmax == -INFINITY ? 0.0f : cs;
+  }
+  cluster.sync();  // candidates and statistics in the leader; nobody reads another CTA after this
   if (rank != 0) return;
+
+  // ---- leader: the row's log-sum-exp ----
+  if (warp == 0) {
+    const float m = lane < S ? sh.cta_max[lane] : -INFINITY;
+    const float sm = lane < S ? sh.cta_sum[lane] : 0.0f;
+    float rm = m;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
+    // the CTA holding the row max contributes its exp(x - max) terms unscaled
+    float part = m == -INFINITY ? 0.0f : (m == rm ? sm : sm * expf(m - rm));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, off);
+    if (lane == 0) {
+      sh.row_max = rm;
+      sh.row_logsum = logf(part);
+    }
+  }
+  __shared__ SelectShared sel;
+  const uint32_t total = sh.cursor;
+  int ncand = int(min(total, uint32_t(kCap)));
+  if (total > uint32_t(kCap)) {
+    // More than 2048 entries tie with or sit above tau (ties, flat rows; never for the bench's
+    // rows): the exact top k by a block radix select over the whole row, re-read from L2.
+    const Raw* rowp = logits + row * int64_t(V);
+    auto key_at = [&](int j, uint64_t& key) -> bool {
+      const int i = j * kThreads + t;
+      if (i >= V) {
+        key = 0;
+        return false;
+      }
+      key = (uint64_t(Tr::orderable(uint32_t(rowp[i]))) << kIdBits) | uint64_t(kIdMask - uint32_t(i));
+      return true;
+    };
+    const int iters = (V + kThreads - 1) / kThreads;
+    uint64_t prefix;
+    int shift;
+    radix_select<kThreads, 0>(sel, key_at, iters, kKeyBits, uint32_t(k), false, prefix, shift);
+    if (t == 0) sel.count = 0;
+    __syncthreads();
+    for (int j = 0; j < iters; ++j) {
+      uint64_t key;
+      const bool take = key_at(j, key) && shr(key, shift) >= prefix;
+      const int pos = warp_claim(take, &sel.count);
+      if (take && pos < k) sh.cand[pos] = key;
+    }
+    ncand = k;
+  }
+  __syncthreads();  // cand[] and the row statistics in place
 
   // ---- leader: sort the candidates, write the top k ----
   int n2 = 1;
@@ -468,7 +419,6 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     // More than 1024 candidates (k = 1024 keeps ~1.2 k): select the k largest first (block radix
     // select, ~2 digits) so the bitonic sort runs over 1024 keys instead of 2048; the shuffle
     // stages, bound by the SM's one warp-shuffle per clock, dominate its cost.
-    __shared__ SelectShared sel;
     auto key_at = [&](int q, uint64_t& key) -> bool {
       key = v[q];
       return key != 0;
