@@ -138,7 +138,7 @@ __device__ __forceinline__ void cmpx(uint64_t& lo, uint64_t& hi, bool desc) {
     hi = x;
   }
 }
-__device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
+__device__ void bitonic_sort_any(uint64_t (&v)[4], int n2, uint64_t* buf) {
   const int t = threadIdx.x;
   const int Q = n2 > kThreads ? n2 / kThreads : 1;
   for (int size = 2; size <= n2; size <<= 1) {
@@ -172,6 +172,73 @@ __device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
           }
       }
     }
+  }
+}
+
+// The same with n2 fixed at compile time: every stage unrolled, its stride and the pair
+// directions constants (the runtime loop spends most of a stage on bookkeeping).
+template <int N2>
+__device__ __forceinline__ void bitonic_sort_fixed(uint64_t (&v)[4], uint64_t* buf) {
+  constexpr int n2 = N2;
+  constexpr int kLog = N2 <= 1 ? 0 : 1 + (N2 <= 2 ? 0 : 1 + (N2 <= 4 ? 0 : 1 + (N2 <= 8 ? 0 : 1 + (N2 <= 16 ? 0 : 1 +
+                       (N2 <= 32 ? 0 : 1 + (N2 <= 64 ? 0 : 1 + (N2 <= 128 ? 0 : 1 + (N2 <= 256 ? 0 : 1 +
+                       (N2 <= 512 ? 0 : 1 + (N2 <= 1024 ? 0 : 1))))))))));
+  static_assert((1 << kLog) == N2, "N2 is a power of two");
+  const int t = threadIdx.x;
+  constexpr int Q = n2 > kThreads ? n2 / kThreads : 1;
+#pragma unroll
+  for (int a = 1; a <= kLog; ++a) {
+    const int size = 1 << a;
+#pragma unroll
+    for (int b = a - 1; b >= 0; --b) {
+      const int stride = 1 << b;
+      if (stride >= kThreads) {  // partner q ^ (stride / kThreads) in this thread; i & size is
+        if (stride == kThreads) {  // the same for both elements of a pair
+          cmpx(v[0], v[1], ((t + 0 * kThreads) & size) == 0);
+          if (Q == 4) cmpx(v[2], v[3], ((t + 2 * kThreads) & size) == 0);
+        } else {  // stride == 2 * kThreads, Q == 4
+          cmpx(v[0], v[2], ((t + 0 * kThreads) & size) == 0);
+          cmpx(v[1], v[3], ((t + 1 * kThreads) & size) == 0);
+        }
+      } else if (stride >= 32) {
+        __syncthreads();  // the previous stage's reads are done
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) buf[t + q * kThreads] = v[q];
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) {
+            const int i = t + q * kThreads;
+            v[q] = keep(v[q], buf[i ^ stride], i, size, stride);
+          }
+      } else if ((t & ~31) < n2) {  // warp-uniform: warps holding only padding (n2 < 512) idle,
+#pragma unroll                     // leaving the SM's shuffle unit to the others
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) {
+            const int i = t + q * kThreads;
+            v[q] = keep(v[q], __shfl_xor_sync(0xFFFFFFFFu, v[q], stride), i, size, stride);
+          }
+      }
+    }
+  }
+}
+
+// Bitonic sort of n2 <= kCap keys (see bitonic_sort_any); n2 <= 1024 takes an unrolled instance.
+__device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
+  switch (n2) {
+    case 1: return;
+    case 2: bitonic_sort_fixed<2>(v, buf); return;
+    case 4: bitonic_sort_fixed<4>(v, buf); return;
+    case 8: bitonic_sort_fixed<8>(v, buf); return;
+    case 16: bitonic_sort_fixed<16>(v, buf); return;
+    case 32: bitonic_sort_fixed<32>(v, buf); return;
+    case 64: bitonic_sort_fixed<64>(v, buf); return;
+    case 128: bitonic_sort_fixed<128>(v, buf); return;
+    case 256: bitonic_sort_fixed<256>(v, buf); return;
+    case 512: bitonic_sort_fixed<512>(v, buf); return;
+    case 1024: bitonic_sort_fixed<1024>(v, buf); return;
+    default: bitonic_sort_any(v, n2, buf); return;
   }
 }
 
