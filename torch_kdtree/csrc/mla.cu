@@ -20,7 +20,10 @@
 //   Small (few rows, and every config on sm_120's 99 KB): MT 1, RG 1 -> BM 16, BN 32, 2 stages,
 //   4 warps, 91 KB (2 CTAs/SM on sm_90).
 // What bounds it: FLOPs = M·S·2·(576 + 512) against bytes ≈ 1152·S per request (1.89·M FLOP/B);
-// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores.  Row blocks of one
+// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores -- and there, with
+// mma.sync, the ldmatrix traffic: per 64x64 tile each warp reads ~76 KB of smem (Q 36 KB, K 18 KB,
+// P 4 KB, V 16 KB) for 272 mma, ~4.7k cycles per tile at 128 B/clk vs ~3.6k of mma at the
+// measured 645 TFLOP/s, so the 64-row tile tops out near 440 TFLOP/s on an H200 [calc].  Row blocks of one
 // (request, split) are adjacent in the grid (blockIdx.x), so they run together and share each
 // key page through L2: DRAM reads every page once per (request, split).
 //
