@@ -205,7 +205,7 @@ def test_reference_with_expert_map_skips_experts_of_other_ranks(fresh_seed):
 
 def test_out_variant_writes_every_element_of_out(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
-    E, H, I = 4, 64, 64
+    E, H, I = 4, 128, 64
     gate, up, down = make_experts(gen, E, H, I)
     w = weights_of(gate, up, down, 32)
     x = torch.randn((3, H), generator=gen).to(torch.bfloat16)
@@ -231,9 +231,9 @@ def test_plan_is_a_function_of_shapes_only():
 @pytest.fixture
 def small_moe():
     gen = torch.Generator().manual_seed(0)
-    gate, up, down = make_experts(gen, 4, 64, 64)
+    gate, up, down = make_experts(gen, 4, 128, 64)
     w = weights_of(gate, up, down, 32)
-    x = torch.randn((3, 64), generator=gen).to(torch.bfloat16)
+    x = torch.randn((3, 128), generator=gen).to(torch.bfloat16)
     ids, tw = make_routing(gen, 3, 2, 4)
     return w, x, ids, tw, (gate, up, down)
 
@@ -280,11 +280,11 @@ def test_shapes_that_disagree_raise(small_moe):
     with pytest.raises(ValueError, match="up .* must match gate"):
         int4_moe_weights(gate[1], gate[2], up[1][:, :32].contiguous(), up[2][:, :32].contiguous(), down[1], down[2])
     with pytest.raises(ValueError, match="down_packed must be"):
-        int4_moe_weights(gate[1], gate[2], up[1], up[2], down[1][:, :32].contiguous(), down[2])
+        int4_moe_weights(gate[1], gate[2], up[1], up[2], down[1][:, :64].contiguous(), down[2])
     with pytest.raises(ValueError, match="scale must be"):
         int4_repack(gate[1], gate[2][:, :, :1].contiguous(), 32)
     with pytest.raises(ValueError, match="out must be"):
-        int4_moe_out(x, w, ids, tw, torch.empty((2, 64), dtype=torch.bfloat16), int4_moe_workspace(3, 2, w))
+        int4_moe_out(x, w, ids, tw, torch.empty((2, 128), dtype=torch.bfloat16), int4_moe_workspace(3, 2, w))
 
 
 def test_expert_ids_out_of_range_raise(small_moe):
@@ -347,3 +347,264 @@ def test_compiles_with_fullgraph_on_cpu(small_moe):
     got = compiled(x, ids, tw, out, ws)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     assert torch.equal(out, int4_moe(x, w, ids, tw))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: kernels against the reference (fresh random weights and routings every run)
+# --------------------------------------------------------------------------------------------
+
+def random_compressed_cuda(gen, E, N, K, group):
+    """Random packed nibbles and scales made on the GPU (large shapes)."""
+    packed = torch.randint(-2**31, 2**31, (E, N, K // 8), generator=gen, dtype=torch.int32, device="cuda")
+    spread = torch.rand((E, N, K // group), generator=gen, device="cuda") + 0.5
+    return packed, (spread / (4.6 * math.sqrt(K))).to(torch.bfloat16)
+
+
+def cuda_weights(gen, E, H, I, group=32):
+    g, u, d = (random_compressed_cuda(gen, E, I, H, group), random_compressed_cuda(gen, E, I, H, group),
+               random_compressed_cuda(gen, E, H, I, group))
+    return int4_moe_weights(g[0], g[1], u[0], u[1], d[0], d[1], group_size=group)
+
+
+def cuda_routing(gen, T, k, num_global):
+    ids = torch.rand((T, num_global), generator=gen, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand((T, k), generator=gen, device="cuda") + 0.1
+    return ids.contiguous(), (w / w.sum(-1, keepdim=True) * 2.827).contiguous()
+
+
+def run_out_poisoned(x, w, ids, tw, expert_map=None, block_size=None, k_splits=None):
+    """The out-variant with out poisoned (NaN) and the workspace filled with garbage."""
+    plan = int4_moe_plan(x.shape[0], ids.shape[1], w.num_experts, w.hidden_size, w.intermediate_size, x.device)
+    bs = plan.block_size if block_size is None else block_size
+    ks = plan.k_splits if k_splits is None else k_splits
+    from torch_kdtree.ops.moe import int4_moe_workspace_bytes
+    nbytes = int4_moe_workspace_bytes(x.shape[0], ids.shape[1], w.num_experts, w.hidden_size, w.intermediate_size,
+                                      bs, ks)
+    ws = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=x.device)
+    out = torch.full_like(x, float("nan"))
+    torch.ops.kdtree.int4_moe_out(x, *w[:4], ids, tw, expert_map, w.group_size, bs, ks, ws, out)
+    return out
+
+
+def check_against_reference(x, w, ids, tw, expert_map=None, **plan):
+    out = run_out_poisoned(x, w, ids, tw, expert_map, **plan)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "the kernel left elements of out unwritten"
+    ref = int4_moe_reference(x, *w[:4], ids, tw, expert_map, w.group_size)
+    err = rel_err(out, ref)
+    assert err <= 1e-2, f"relative error {err:.3e}"
+    return out, ref
+
+
+@requires_cuda
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_repack_matches_cpu_bit_for_bit(fresh_seed, group):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    _, packed, scale = make_projection(gen, 3, 80, 512, group)
+    q_cpu, s_cpu = int4_repack(packed, scale, group)
+    q_gpu, s_gpu = int4_repack(packed.cuda(), scale.cuda(), group)
+    assert torch.equal(q_gpu.cpu(), q_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+    p2, s2 = int4_unpack(q_gpu, s_gpu)
+    assert torch.equal(p2.cpu(), packed) and torch.equal(s2.cpu(), scale)
+
+
+@requires_cuda
+@pytest.mark.parametrize("E,H,I,T,k,group", [
+    (8, 256, 128, 1, 1, 32),       # T = 1, k = 1
+    (16, 512, 256, 1, 8, 32),      # T = 1, k = 8
+    (16, 384, 192, 37, 8, 32),     # T not a multiple of any tile, I / 64 odd
+    (40, 256, 64, 3, 16, 32),      # k = 16
+    (12, 512, 128, 29, 4, 64),     # group 64
+    (12, 512, 256, 11, 2, 128),    # group 128
+    (16, 256, 128, 200, 8, 32),    # large blocks (block_size 64 by the plan)
+])
+def test_cuda_kernel_matches_reference(fresh_seed, E, H, I, T, k, group):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, E, H, I, group)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    check_against_reference(x, w, ids, tw)
+    check_against_reference(x, w, ids.long(), tw)
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("k_splits", [1, 3])
+def test_cuda_every_block_size_and_split(fresh_seed, block_size, k_splits):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 10, 384, 128)
+    x = torch.randn((53, 384), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 53, 6, 10)
+    check_against_reference(x, w, ids, tw, block_size=block_size, k_splits=k_splits)
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_cuda_kimi_k2_tp8_shapes(fresh_seed, T):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 384, 7168, 256)
+    x = torch.randn((T, 7168), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, 8, 384)
+    check_against_reference(x, w, ids, tw)
+
+
+@requires_cuda
+def test_cuda_kimi_k2_tp1_intermediate(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 24, 7168, 2048)
+    x = torch.randn((5, 7168), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 5, 8, 24)
+    check_against_reference(x, w, ids, tw)
+
+
+@requires_cuda
+def test_cuda_all_tokens_to_one_expert(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 12, 256, 128)
+    T = 300  # several blocks of the same expert whatever the block size
+    x = torch.randn((T, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.full((T, 1), 7, dtype=torch.int32, device="cuda")
+    tw = torch.rand((T, 1), generator=gen, device="cuda")
+    check_against_reference(x, w, ids, tw)
+    # and with k = 4 where every token's first choice is expert 7
+    ids4, tw4 = cuda_routing(gen, T, 4, 12)
+    ids4 = torch.where(ids4 == 7, ids4[:, :1], ids4)
+    ids4[:, 0] = 7
+    check_against_reference(x, w, ids4.contiguous(), tw4)
+
+
+@requires_cuda
+def test_cuda_experts_without_tokens(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 64, 256, 128)
+    x = torch.randn((6, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 6, 3, 5)   # only experts 0..4 of 64 are used
+    check_against_reference(x, w, (ids * 13).to(torch.int32), tw)
+
+
+@requires_cuda
+def test_cuda_expert_map(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    E_global, E = 48, 16
+    w = cuda_weights(gen, E, 256, 128)
+    local = torch.randperm(E_global, generator=gen, device="cuda")[:E]
+    emap = torch.full((E_global,), -1, dtype=torch.int32, device="cuda")
+    emap[local] = torch.arange(E, dtype=torch.int32, device="cuda")
+    T = 33
+    x = torch.randn((T, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, 8, E_global)
+    remote = torch.nonzero(emap < 0).flatten()[:8].to(torch.int32)
+    ids[0] = remote  # token 0 has no expert on this rank
+    out, _ = check_against_reference(x, w, ids, tw, expert_map=emap)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    # the Python wrapper path
+    torch.testing.assert_close(int4_moe(x, w, ids, tw, expert_map=emap), out, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_cuda_results_are_deterministic(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 32, 512, 256)
+    x = torch.randn((9, 512), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 9, 8, 32)
+    a = run_out_poisoned(x, w, ids, tw, k_splits=5)
+    b = run_out_poisoned(x, w, ids, tw, k_splits=5)
+    assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_cuda_workspace_too_small_raises(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 8, 256, 128)
+    x = torch.randn((4, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 4, 2, 8)
+    ws = int4_moe_workspace(4, 2, w)
+    with pytest.raises(ValueError, match="workspace has"):
+        int4_moe_out(x, w, ids, tw, torch.empty_like(x), ws[:-1])
+    plan = int4_moe_plan(4, 2, 8, 256, 128, "cuda")
+    with pytest.raises(RuntimeError, match="workspace has"):
+        torch.ops.kdtree.int4_moe_out(x, *w[:4], ids, tw, None, 32, plan.block_size, plan.k_splits, ws[:-1],
+                                      torch.empty_like(x))
+
+
+@requires_cuda
+def test_opcheck_cuda(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 8, 256, 128)
+    x = torch.randn((5, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 5, 3, 8)
+    _, packed, scale = make_projection(torch.Generator().manual_seed(fresh_seed), 2, 32, 128, 32)
+    torch.library.opcheck(torch.ops.kdtree.int4_repack.default, (packed.cuda(), scale.cuda(), 32))
+    args, plan = _op_args(w, x, ids, tw)
+    torch.library.opcheck(torch.ops.kdtree.int4_moe.default, args)
+    ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
+    torch.library.opcheck(torch.ops.kdtree.int4_moe_out.default, (*args, ws, torch.empty_like(x)))
+
+
+@requires_cuda
+def test_cuda_compiles_with_fullgraph(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 8, 256, 128)
+    x = torch.randn((7, 256), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 7, 2, 8)
+    torch._dynamo.reset()
+
+    def step(x, ids, tw, out, ws):
+        y = int4_moe(x, w, ids, tw)
+        int4_moe_out(x, w, ids, tw, out, ws)
+        return y, out
+
+    compiled = torch.compile(step, fullgraph=True)
+    out = torch.full_like(x, float("nan"))
+    y, out2 = compiled(x, ids, tw, out, int4_moe_workspace(7, 2, w))
+    ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32)
+    assert rel_err(y, ref) <= 1e-2 and rel_err(out, ref) <= 1e-2
+    assert torch.equal(y, out)
+
+
+@requires_cuda
+def test_cuda_graph_replays_with_new_routings(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    E, H, I, T, k = 32, 512, 128, 12, 8
+    w = cuda_weights(gen, E, H, I)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    out = torch.full_like(x, float("nan"))
+    ws = int4_moe_workspace(T, k, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        int4_moe_out(x, w, ids, tw, out, ws)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        int4_moe_out(x, w, ids, tw, out, ws)
+    for step in range(3):
+        new_ids, new_tw = cuda_routing(gen, T, k, E)
+        if step == 2:  # every token shares expert 3: a different block structure, same graph
+            order = torch.rand((T, E), generator=gen, device="cuda").argsort(dim=1)
+            others = order[order != 3].view(T, E - 1)[:, : k - 1]
+            new_ids = torch.cat([torch.full((T, 1), 3, device="cuda"), others], dim=1).to(torch.int32)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        x.copy_(torch.randn((T, H), generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32)
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) <= 1e-2
+
+
+@requires_cuda
+def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 24, 512, 128)
+    x = torch.randn((21, 512), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 21, 8, 24)
+    monkeypatch.setenv("KDTREE_MOE_PDL", "0")
+    a = run_out_poisoned(x, w, ids, tw, k_splits=4)
+    monkeypatch.setenv("KDTREE_MOE_PDL", "1")
+    b = run_out_poisoned(x, w, ids, tw, k_splits=4)
+    assert torch.equal(a, b)
+    check_against_reference(x, w, ids, tw)

@@ -1,74 +1,100 @@
-"""The main job: one DDTree step end to end on the ops, printed.
+"""The main job: DDTree generation on the embedded default model, against autoregressive decoding.
 
-Random draft logits -> top-K -> ``ddtree_build`` -> a toy target verifies every node (a fixed
-random next-token table that agrees with the drafter's top choice 80 % of the time) ->
-``tree_accept`` -> ``kv_commit`` moves the accepted nodes' cache rows.  Runs on CUDA when the
-kernels and a GPU are present, else on the CPU references.
+The default pair is built deterministically on the fly (models/generation/tiny.py): a tiny
+random Kimi K2 target (K2's MLA latent row, one dense and one MoE layer) and a random DFlash
+drafter tapping its layers — random tiny models until a trained pair exists.  A random drafter
+is rarely right, so its mean acceptance is close to 1 and DDTree is slower than autoregressive
+decoding here; the point is that the outputs are identical.  ``--drafter oracle`` shows the
+other end: a drafter that knows the target's greedy continuation with ``--accuracy``.
+
+Runs on CUDA (bf16, CUDA graphs) when a GPU and the kernels are present, else on the CPU (fp32).
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
 import torch_kdtree
-from torch_kdtree.ops import ddtree_build, kv_commit, tree_accept
+from torch_kdtree.models.generation import OracleDrafter
+from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
+
+
+def _device() -> str:
+    info = torch_kdtree.build_info()
+    mla = info["cuda_available"] and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "kdtree::mla_tree_attention", "CUDA")
+    return "cuda" if info["cuda_kernels"] and mla else "cpu"
+
+
+def _timed(fn):
+    fn()  # the first call builds the session (and captures the graphs on CUDA)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1000)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=2, help="requests (prompts of different lengths)")
+    ap.add_argument("--budget", default="16", help="tree budget B, or 'auto'")
+    ap.add_argument("--block-size", type=int, default=4, help="drafter block size (L = block size - 1)")
+    ap.add_argument("--drafter", choices=("dflash", "oracle"), default="dflash")
+    ap.add_argument("--accuracy", type=float, default=0.8, help="oracle per-token accuracy")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    budget = args.budget if args.budget == "auto" else int(args.budget)
 
-    info = torch_kdtree.build_info()
-    device = "cuda" if info["cuda_kernels"] and info["cuda_available"] else "cpu"
-    print(f"torch_kdtree {torch_kdtree.__version__}: {info}; running on {device}")
+    device = _device()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.set_num_threads(1)  # tiny matrices: more threads only add overhead
+    print(f"torch_kdtree {torch_kdtree.__version__} on {device}: {torch_kdtree.build_info()}")
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 8} if device == "cuda" else {}
+    target = tiny_target(args.seed, **heads).to(device, dtype)
+    if args.drafter == "oracle":
+        drafter = OracleDrafter(target, args.block_size, accuracy=args.accuracy, seed=args.seed)
+    else:
+        drafter = tiny_drafter(target, seed=args.seed + 1, block_size=args.block_size).to(device, dtype)
+    c = target.config
+    print(f"target: Kimi K2 architecture, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+          f"{c.n_routed_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}, "
+          f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters (random)")
+    print(f"drafter: {type(drafter).__name__}, block size {drafter.block_size}; tree budget {budget}")
+
     g = torch.Generator().manual_seed(args.seed)
-    L, B, V = args.depth, args.budget, args.vocab
-    K = min(B, V)
+    lengths = [5 + 3 * r for r in range(args.batch)]
+    ids = torch.zeros(args.batch, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):  # left padding, as transformers users batch prompts
+        ids[r, -n:] = torch.randint(3, c.vocab_size, (n,), generator=g)
+        mask[r, -n:] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    common = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, eos_token_id=None)
 
-    logits = torch.randn(1, L, V, generator=g) * 3
-    lp, ids = torch.log_softmax(logits, -1).topk(K, -1)
-    # the toy target follows the drafter's argmax with probability 0.8, else a random token
-    follow = torch.rand(V, generator=g) < 0.8
-    target_next = torch.where(follow, torch.empty(V, dtype=torch.long).fill_(-1), torch.randint(0, V, (V,), generator=g))
-    root = torch.tensor([int(torch.randint(0, V, (), generator=g))])
-
-    lp, ids, root = lp.contiguous().to(device), ids.contiguous().to(device), root.to(device)
-    tree = ddtree_build(lp, ids, root, B)
-    # target token at node i: the drafter's top token one level deeper (if followed), else random
-    depth = tree.depths.clamp(min=0)
-    top_next = torch.cat([ids[0, :, 0], ids.new_full((1,), -1)])[depth.clamp(max=L)]
-    table = target_next.to(device)
-    post = torch.where(table[tree.tokens.clamp(min=0)] < 0, top_next, table[tree.tokens.clamp(min=0)])
-    post = torch.where(post < 0, torch.zeros_like(post), post)
-    acc = tree_accept(tree.tokens, tree.parents, post)
-
-    # a paged latent cache (2 layers, page size 4, D = 576) holding 5 committed tokens + the tree
-    layers, page, D = 2, 4, 576
-    committed = 5
-    pages = (committed + B + 1 + page - 1) // page
-    kv = torch.arange(layers * pages * page, dtype=torch.float32, device=device).repeat_interleave(D)
-    kv = kv.reshape(layers, pages, page, D).to(torch.bfloat16)
-    block_table = torch.arange(pages, dtype=torch.int32, device=device)[None]
-    lens = torch.tensor([committed], dtype=torch.int32, device=device)
-    kv_commit(kv, block_table, lens, acc.indices, acc.lengths)
-
-    n = int(acc.lengths[0])
-    path = acc.indices[0, :n].tolist()
-    print(f"tree: {B} nodes over depth <= {L}, K = {K}; max depth reached {int(tree.depths.max())}")
-    print("  node parent depth token")
-    for i in range(min(B + 1, 12)):
-        print(f"  {i:4d} {int(tree.parents[0, i]):6d} {int(tree.depths[0, i]):5d} {int(tree.tokens[0, i]):5d}")
-    print(f"accepted path (node indices): {path}")
-    print(f"accepted tokens: {tree.tokens[0, path].tolist()} + next root {int(acc.next_tokens[0])}")
-    print(f"tokens committed this step: {n} (the root plus {n - 1} drafted)")
-    rows = kv[0, :, :, 0].flatten()[committed:committed + n].float().tolist()
-    print(f"cache rows after commit (layer 0, positions {committed}..{committed + n - 1}): "
-          f"came from positions {[int(r) for r in rows]}")
+    ar, ar_s = _timed(lambda: target.generate(ids, return_dict_in_generate=True, **common))
+    dd, dd_s = _timed(lambda: target.generate(ids, drafter=drafter, tree_budget=budget,
+                                              return_dict_in_generate=True, **common))
+    tokens = args.batch * args.max_new_tokens
+    T = ids.shape[1]
+    for r in range(args.batch):
+        print(f"request {r}: prompt {ids[r, -lengths[r]:].tolist()}")
+        print(f"  completion {dd.sequences[r, T:].tolist()}")
+    print(f"mean acceptance length: {dd.mean_accept_length:.2f} tokens per step "
+          f"({dd.accept_lengths.shape[1]} DDTree steps for {args.max_new_tokens} tokens per request)")
+    print(f"tokens/s, wall clock: DDTree {tokens / dd_s:.1f}, autoregressive {tokens / ar_s:.1f} "
+          f"(batch {args.batch}, {args.max_new_tokens} new tokens each)")
+    print(f"tokens/s inside the decoding steps (no prefill, no oracle look-ahead): "
+          f"DDTree {tokens / dd.step_seconds:.1f}, autoregressive {tokens / ar.step_seconds:.1f}")
+    same = torch.equal(dd.sequences, ar.sequences)
+    print(f"DDTree output == autoregressive output: {same}")
+    if not same:
+        raise SystemExit("DDTree and autoregressive outputs differ")
 
 
 if __name__ == "__main__":

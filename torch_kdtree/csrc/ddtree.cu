@@ -106,9 +106,11 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       sh.node_depth[0] = 0;
     }
     __syncwarp();
+    // Every lane stores the same value to the same shared address (no divergent lane-0
+    // branch, and each lane later reads back what it wrote itself, so no __syncwarp).
     auto push_pool = [&](uint64_t x) {
       if (x == kEmpty) return;
-      if (lane == 0) sh.pool[pool_size] = x;
+      sh.pool[pool_size] = x;
       if (x < pool_best) {
         pool_best = x;
         pool_best_idx = pool_size;
@@ -142,12 +144,10 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
         a = b;
         b = t;
       }
-      if (lane == 0) {
-        sh.node_score[n] = s;
-        sh.node_parent[n] = int16_t(p);
-        sh.node_rank[n] = int16_t(rank);
-        sh.node_depth[n] = int8_t(d);
-      }
+      sh.node_score[n] = s;
+      sh.node_parent[n] = int16_t(p);
+      sh.node_rank[n] = int16_t(rank);
+      sh.node_depth[n] = int8_t(d);
       // Merge: M = (list minus its head if popped from it) + {a, b}, sorted; the list keeps
       // M[0..31] and M[32..] goes to the pool.  a sits at pa, b at pb + 1.
       const int drop = from_pool ? 0 : 1;
@@ -165,10 +165,8 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       const uint64_t ov1 = from_pool ? merged_at(33, kEmpty, kEmpty, tail, kEmpty) : kEmpty;
       key = m;
       if (from_pool) {
-        __syncwarp();
-        if (lane == 0) sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
+        sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
         --pool_size;
-        __syncwarp();
         // Rescan the pool for its best key: lane-local min, then 32-bit warp reductions.
         uint64_t best = kEmpty;
         int best_i = 0x7fffffff;
@@ -186,7 +184,6 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       }
       push_pool(ov0);
       push_pool(ov1);
-      __syncwarp();
       ++n;
     }
     if (lane == 0) sh.num_nodes = n;

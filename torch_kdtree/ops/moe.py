@@ -24,7 +24,6 @@ The CPU kernels are the pure-torch references below; the CUDA kernels live in cs
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,6 +38,7 @@ TILE_N = 16    # channels per weight tile (the mma m16 side)
 TILE_K = 64    # k per weight tile (four k16 steps)
 CTA_N = 128    # channels per CTA in both GEMMs (4 warps x 2 tiles)
 _ALIGN = 256   # workspace regions start on 256-byte boundaries
+_TARGET_CTAS = 2048  # gate/up CTAs the split-K aims for (several waves of ~8 resident per SM)
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -218,7 +218,7 @@ def int4_moe_weights(gate_packed: torch.Tensor, gate_scale: torch.Tensor, up_pac
 
     gate/up: packed int32 [E, I, H/8], scale bf16 [E, I, H/group]; down: packed int32
     [E, H, I/8], scale bf16 [E, H, I/group].  H and I must be multiples of 64 and of the group
-    size (K2: H = 7168, I in {256, 512, 1024, 2048}).  Runs on the tensors' device.
+    size, and H of 128 (K2: H = 7168, I in {256, 512, 1024, 2048}).  Runs on the tensors' device.
     """
     op = "int4_moe_weights"
     for name, t in (("gate_packed", gate_packed), ("up_packed", up_packed), ("down_packed", down_packed)):
@@ -235,8 +235,8 @@ def int4_moe_weights(gate_packed: torch.Tensor, gate_scale: torch.Tensor, up_pac
     if tuple(down_packed.shape) != (E, H, I // 8) or I % 8:
         raise ValueError(f"{op}: down_packed must be [E, H, I/8] = {(E, H, I // 8)} for gate [E, I, H/8] = "
                          f"{tuple(gate_packed.shape)}, got {tuple(down_packed.shape)}")
-    if H % TILE_K or I % TILE_K:
-        raise ValueError(f"{op}: H = {H} and I = {I} must be multiples of {TILE_K}")
+    if H % CTA_N or I % TILE_K:
+        raise ValueError(f"{op}: H = {H} must be a multiple of {CTA_N} and I = {I} of {TILE_K}")
     # gate/up interleaved by 16 channels (module docstring); repack checks group and scale shapes.
     _check_repack(gate_packed, gate_scale, group_size)
     gs = gate_scale.reshape(E, I // 16, 1, 16, H // group_size)
@@ -265,11 +265,6 @@ class Int4MoEPlan(NamedTuple):
     workspace_bytes: int
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
@@ -296,17 +291,16 @@ def int4_moe_workspace_bytes(num_tokens: int, topk: int, num_experts: int, hidde
 
 def int4_moe_plan(num_tokens: int, topk: int, num_experts: int, hidden_size: int, intermediate_size: int,
                   device: torch.device | str | None = None) -> Int4MoEPlan:
-    """Block size and split-K for a shape (never for data: the plan is the same for every
-    routing, so one CUDA graph serves all routings of a shape)."""
+    """Block size and split-K for a shape.  A pure function of the shape (never of the routing
+    or the device), so one CUDA graph serves every routing and the plan can be computed while
+    ``torch.compile`` traces; ``device`` is accepted for symmetry and ignored."""
     M = num_tokens * topk
     rows_per_expert = M / max(1, num_experts)
     block_size = 8 if rows_per_expert <= 12 else 16 if rows_per_expert <= 24 else 32 if rows_per_expert <= 48 else 64
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    # Enough gate/up work units (expert block x 128 channels x K split) for ~4 CTAs per SM.
-    units = max(1, min(num_experts, M)) * (2 * intermediate_size // CTA_N)
-    k_splits = max(1, min(MAX_K_SPLITS, hidden_size // TILE_K, -(-4 * sms // units)))
+    # Enough gate/up work units (expert block x 128 channels x K split) to give every SM of an
+    # H200 (132) or RTX PRO 6000 (188) several CTAs.
+    units = max(1, min(num_experts, M), -(-M // block_size)) * (2 * intermediate_size // CTA_N)
+    k_splits = max(1, min(MAX_K_SPLITS, hidden_size // TILE_K, -(-_TARGET_CTAS // units)))
     return Int4MoEPlan(block_size, k_splits,
                        int4_moe_workspace_bytes(num_tokens, topk, num_experts, hidden_size, intermediate_size,
                                                 block_size, k_splits))
@@ -340,8 +334,8 @@ def _check_moe(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, 
     T, H = x.shape
     E = w13_q.shape[0]
     I = w13_q.shape[1] * TILE_N // 2
-    if H % TILE_K or H % group_size:
-        raise ValueError(f"{op}: hidden size H = {H} must be a multiple of {TILE_K} and of the group size {group_size}")
+    if H % CTA_N or H % group_size:
+        raise ValueError(f"{op}: hidden size H = {H} must be a multiple of {CTA_N} and of the group size {group_size}")
     if I % TILE_K or I % group_size or I == 0:
         raise ValueError(f"{op}: intermediate size I = {I} must be a positive multiple of {TILE_K} and of the "
                          f"group size {group_size}")

@@ -8,8 +8,8 @@ input of ``ddtree_build``.  One order is used everywhere:
 (-0.0 and +0.0 are equal.)  Ranking by the logit rather than by the rounded log-prob makes the
 ids independent of how the log-sum-exp was summed, so every implementation returns the same ids;
 log-probs are ``(x - max) - log(sum(exp(x - max)))`` in float32 like ``torch.log_softmax`` and
-agree to float32 rounding (the sums run in different orders).  Log-probs along K are therefore
-non-increasing.
+agree to float32 rounding (the sums run in different orders; the reference sums in float64
+and rounds once).  Log-probs along K are therefore non-increasing.
 
 Vocabulary-parallel form: rank p holds the slice [vocab_start_p, vocab_start_p + V_p) and calls
 ``draft_topk_partial`` (its top-k raw logits, global ids and its log-sum-exp); after gathering
@@ -100,6 +100,14 @@ def _check_merge(values, token_ids, lse, k) -> None:
             raise ValueError(f"{op}: token_ids must lie in [0, 2**31)")
 
 
+def _lse(x: torch.Tensor) -> torch.Tensor:
+    """float64 log-sum-exp over the last dim of float32 ``x``.  torch's float32 CPU log_softmax
+    sums exp() sequentially per SIMD lane and is off by up to ~7e-5 at V = 262144; the
+    reference instead rounds the exact value once, so it is the float32 log-softmax to within
+    one rounding and a fair yardstick for kernels that sum in other orders."""
+    return torch.logsumexp(x.double(), dim=-1)
+
+
 def _top_order(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of float32 ``x`` along the last dim, larger first,
     equal values lower index first (a stable descending sort keeps equal values in index order)."""
@@ -111,12 +119,14 @@ def _top_order(x: torch.Tensor, k: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 def draft_topk_reference(logits: torch.Tensor, k: int) -> TopK:
-    """Pure-torch reference (and CPU kernel) of ``kdtree::draft_topk``: float32 log_softmax,
-    stable descending sort of the float32 logits."""
+    """Pure-torch reference (and CPU kernel) of ``kdtree::draft_topk``: log_softmax of the
+    float32 logits (summed in float64, rounded to float32 once), ids from a stable descending
+    sort of the float32 logits."""
     _check_logits("draft_topk", logits, k)
     x = logits.float()
     ids = _top_order(x, k)
-    return TopK(torch.log_softmax(x, dim=-1).gather(-1, ids), ids)
+    lse = _lse(x)
+    return TopK((x.gather(-1, ids).double() - lse[..., None]).float(), ids)
 
 
 def draft_topk_partial_reference(logits: torch.Tensor, k: int, vocab_start: int) -> PartialTopK:
@@ -124,7 +134,7 @@ def draft_topk_partial_reference(logits: torch.Tensor, k: int, vocab_start: int)
     _check_partial(logits, k, vocab_start)
     x = logits.float()
     order = _top_order(x, k)
-    return PartialTopK(x.gather(-1, order), order + vocab_start, torch.logsumexp(x, dim=-1))
+    return PartialTopK(x.gather(-1, order), order + vocab_start, _lse(x).float())
 
 
 def draft_topk_merge_reference(values: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor, k: int) -> TopK:
@@ -137,8 +147,8 @@ def draft_topk_merge_reference(values: torch.Tensor, token_ids: torch.Tensor, ls
     by_id = torch.sort(ids, dim=-1, stable=True).indices
     v, ids = v.gather(-1, by_id), ids.gather(-1, by_id)
     order = _top_order(v, k)
-    lse_all = torch.logsumexp(lse, dim=0)
-    return TopK(v.gather(-1, order) - lse_all[..., None], ids.gather(-1, order))
+    lse_all = torch.logsumexp(lse.double(), dim=0)
+    return TopK((v.gather(-1, order).double() - lse_all[..., None]).float(), ids.gather(-1, order))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,278 @@
+"""End-to-end generation on the GPU: step time against the tree budget, tokens/s with an oracle
+drafter at controlled accuracy over sustained generations, and transformers' baselines.
+
+Run (H200, ~3-5 min):  pytest bench/bench_generate.py --benchmark-only -s
+Environment: BENCH_TOKENS (default 2000, tokens per sustained generation), BENCH_HF_TOKENS
+(default 128: transformers' eager generate, ~50 tokens/s, is timed on fewer tokens),
+BENCH_ASSISTED_TOKENS (default 64).
+
+Configurations (random weights, bf16, batch 1, 128-token random prompt):
+- "2p2b": hidden 2048, 8 layers (layer 0 dense, intermediate 6144), 64 routed experts top-8 +
+  1 shared (moe_intermediate 512), K2's MLA head dims (q_lora 1536, kv_lora 512, nope 128,
+  rope 64, v 128) with 16 heads, vocab 163840 (2.2 B parameters).
+- "k2_slice": one TP-8 rank of K2: hidden 7168, 8 heads, 384 INT4 routed experts top-8
+  (moe_intermediate 256) + the shared expert's 256-wide slice, dense intermediate 2304, 4 layers,
+  vocabulary slice 163840 / 8 = 20480 (a vocabulary-parallel head's shard).
+Drafters: random DFlash drafters of the target's hidden size (2p2b: 2 layers, 16/4 heads,
+intermediate 6144, taps [1, 5]; k2_slice: 1 layer, 8/1 heads, intermediate 2304, tap [2]),
+block size 8 (L = 7, as Kimi-K2.5-DFlash).  The oracle wraps them: the DFlash forward runs
+(its cost is in every step) and the oracle overrides its top ranks with the target's greedy
+continuation at the given accuracy (models/generation/oracle.py); the oracle's own look-ahead
+runs outside the timed steps.
+
+Reported: ms per step (CUDA events around each graph replay), its ratio to the autoregressive
+step and to a bandwidth floor (bytes of weights touched by the step's tokens -- expected
+distinct experts E (1 - (1 - k/E)^T) for T tokens -- plus the KV read, over the device-copy
+bandwidth measured in the same run); tokens/s inside the decoding steps (2000 tokens / summed
+step time) and wall-clock; transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted
+generation with a one-layer random assistant, on the 2p2b configuration.
+"""
+import functools
+import os
+import time
+
+import pytest
+import torch
+
+from torch_kdtree.models.dflash import random_drafter
+from torch_kdtree.models.generation import GenerationSession, OracleDrafter
+
+from .conftest import hbm_bandwidth_gbs, record, requires_cuda
+
+TOKENS = int(os.environ.get("BENCH_TOKENS", 2000))
+HF_TOKENS = int(os.environ.get("BENCH_HF_TOKENS", 128))
+ASSISTED_TOKENS = int(os.environ.get("BENCH_ASSISTED_TOKENS", 64))
+PROMPT = 128
+BUDGETS = (0, 8, 16, 32, 64, 128, 256)
+BLOCK_SIZE = 8
+RESULTS: dict = {}
+
+
+def _has_cuda_kernel(op: str) -> bool:
+    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+
+
+requires_mla = pytest.mark.skipif(not _has_cuda_kernel("kdtree::mla_tree_attention"),
+                                  reason="needs the kdtree::mla_tree_attention CUDA kernel")
+needs_int4 = pytest.mark.skipif(not (_has_cuda_kernel("kdtree::int4_moe") and _has_cuda_kernel("kdtree::int4_repack")),
+                                reason="needs the kdtree::int4_moe / int4_repack CUDA kernels")
+
+CONFIGS = {
+    "2p2b": {"hidden_size": 2048, "num_hidden_layers": 8, "first_k_dense_replace": 1, "intermediate_size": 6144,
+             "n_routed_experts": 64, "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 512,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 163840, "n_group": 1,
+             "topk_group": 1},
+    "k2_slice": {"hidden_size": 7168, "num_hidden_layers": 4, "first_k_dense_replace": 1, "intermediate_size": 2304,
+                 "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+                 "moe_intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+                 "vocab_size": 20480, "n_group": 1, "topk_group": 1, "bos_token_id": 20477, "eos_token_id": 20478},
+}
+DRAFTERS = {
+    "2p2b": {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+             "intermediate_size": 6144, "target_layer_ids": [1, 5]},
+    "k2_slice": {"num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 128,
+                 "intermediate_size": 2304, "target_layer_ids": [2]},
+}
+MARKS = {"2p2b": [requires_cuda, requires_mla], "k2_slice": [requires_cuda, requires_mla, needs_int4]}
+
+
+def config_dict(name: str) -> dict:
+    from torch_kdtree.models.kimi_k2.writer import k2_config_dict
+
+    return k2_config_dict(CONFIGS[name], int4=False, small=False)  # K2's MLA dims, YaRN, routing
+
+
+@functools.lru_cache(maxsize=None)
+def target(name: str):
+    """The random bf16 target on the GPU (INT4 experts for the K2 slice)."""
+    from torch_kdtree.models.kimi_k2 import KimiK2Config, KimiK2ForCausalLM, KimiK2MoE
+
+    config = KimiK2Config.from_dict(config_dict(name))
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = KimiK2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    if name == "k2_slice":  # random INT4 experts: any nibble is a valid weight; scales give std ~0.02
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, KimiK2MoE):
+                ex = layer.mlp.experts
+                E, I, H = ex.gate_proj.shape
+
+                def packed(o, i):
+                    return torch.randint(-2**31, 2**31 - 1, (E, o, i // 8), dtype=torch.int32, device="cuda")
+
+                def scale(o, i):
+                    return torch.full((E, o, i // 32), 0.02 / 4.6, dtype=torch.bfloat16, device="cuda")
+
+                ex.set_int4(packed(I, H), scale(I, H), packed(I, H), scale(I, H), packed(H, I), scale(H, I))
+        torch.cuda.empty_cache()
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def drafter(name: str):
+    c = CONFIGS[name]
+    d = random_drafter(seed=1, dtype=torch.float32, hidden_size=c["hidden_size"], vocab_size=c["vocab_size"],
+                       mask_token_id=c["vocab_size"] - 1, num_target_layers=c["num_hidden_layers"],
+                       block_size=BLOCK_SIZE, rms_norm_eps=1e-5, **DRAFTERS[name])
+    return d.to("cuda", torch.bfloat16)
+
+
+def prompt(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, CONFIGS[name]["vocab_size"] - 1, (1, PROMPT), generator=g).cuda()
+
+
+def floor_seconds(name: str, budget: int, context: int, with_drafter: bool) -> float:
+    """Bytes the step must read at least (module docstring) over the measured bandwidth."""
+    model, c = target(name), CONFIGS[name]
+    T = budget + 1
+    E, k = c["n_routed_experts"], c["num_experts_per_tok"]
+    experts, other = 0, 0
+    for pname, p in model.named_parameters():
+        if ".experts." not in pname and "embed_tokens" not in pname:
+            other += p.numel() * p.element_size()
+    for bname, b in model.named_buffers():
+        if ".experts." in bname:
+            experts += b.numel() * b.element_size()
+    for pname, p in model.named_parameters():
+        if ".experts." in pname:
+            experts += p.numel() * p.element_size()
+    moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
+    per_expert = experts / (moe_layers * E)
+    touched = moe_layers * E * (1 - (1 - k / E) ** T) * per_expert
+    kv = context * c["num_hidden_layers"] * 576 * 2
+    total = other + touched + kv
+    if with_drafter:  # its weights and a second pass over the borrowed lm_head
+        total += sum(p.numel() * p.element_size() for p in drafter(name).parameters())
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total / (hbm_bandwidth_gbs() * 1e9)
+
+
+def _configs():
+    return [pytest.param(name, marks=MARKS[name]) for name in CONFIGS]
+
+
+@pytest.mark.parametrize("name", _configs())
+def test_step_time_against_tree_budget(benchmark, name):
+    """One session, one graph per budget; each timed over 16 replays after a 128-token prompt."""
+    model = target(name)
+    session = GenerationSession(model, drafter(name), batch_size=1, max_prompt=PROMPT, max_new=512,
+                                budgets=BUDGETS)
+    session.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
+    ms = {}
+    for b in BUDGETS:
+        session.step(b)  # warm
+        ms[b] = session.time_steps(b, 16) * 1e3
+    benchmark.pedantic(lambda: session.time_steps(16, 4), rounds=3, iterations=1)
+    context = int(session.cache.lengths.max())
+    for b in BUDGETS:
+        floor = floor_seconds(name, b, context, with_drafter=b > 0) * 1e3
+        record(benchmark, bench="step_time", config=name, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
+               floor_ms=floor, floor_ratio=floor / ms[b], context=context)
+    RESULTS[(name, "step_ms")] = ms
+    if name == "2p2b":
+        record(benchmark, bench="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
+
+
+def _generate(model, ids, **kwargs):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=TOKENS, eos_token_id=None, return_dict_in_generate=True, **kwargs)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, ids.shape[1]
+
+
+@pytest.mark.parametrize("name", _configs())
+def test_autoregressive_tokens_per_second(benchmark, name):
+    model = target(name)
+    model.generate(prompt(name), max_new_tokens=TOKENS, eos_token_id=None)  # session + graph capture
+    out, wall, _ = benchmark.pedantic(lambda: _generate(model, prompt(name)), rounds=1, iterations=1)
+    rate = TOKENS / out.step_seconds
+    RESULTS[(name, "ar")] = {"rate": rate, "wall_rate": TOKENS / wall, "sequences": out.sequences}
+    record(benchmark, bench="autoregressive", config=name, tokens=TOKENS, tokens_per_s=rate,
+           wall_tokens_per_s=TOKENS / wall, ms_per_token=1e3 / rate)
+
+
+@pytest.mark.parametrize("accuracy", [0.6, 0.8, 0.95])
+@pytest.mark.parametrize("name", _configs())
+def test_oracle_tokens_per_second(benchmark, name, accuracy):
+    """Sustained DDTree generation, tree_budget="auto", an oracle of the given per-token accuracy
+    (the true token second in half of its misses).  tokens/s inside the steps (the oracle's
+    look-ahead excluded, the inner DFlash drafter's cost included)."""
+    model = target(name)
+    oracle = _oracle(name)
+    oracle.set_accuracy(accuracy)
+    out, wall, T = benchmark.pedantic(lambda: _generate(model, prompt(name), drafter=oracle, tree_budget="auto"),
+                                      rounds=1, iterations=1)
+    rate = TOKENS / out.step_seconds
+    used = {b: out.budgets.count(b) for b in sorted(set(out.budgets))}
+    info = dict(bench="ddtree_oracle", config=name, accuracy=accuracy, tokens=TOKENS, tokens_per_s=rate,
+                mean_accept=out.mean_accept_length, steps=len(out.budgets), budgets_used=str(used),
+                wall_with_oracle_s=wall)
+    ar = RESULTS.get((name, "ar"))
+    if ar is not None:
+        same = out.sequences[0, T:] == ar["sequences"][0, T:]
+        info.update(speedup_vs_ar=rate / ar["rate"],
+                    equal_to_ar_tokens=int(same.long().cumprod(0).sum()))  # bf16 ties may end it early
+    RESULTS[(name, "oracle", accuracy)] = rate
+    record(benchmark, **info)
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(name: str) -> OracleDrafter:
+    return OracleDrafter(target(name), accuracy=0.8, second_choice=0.5, seed=3, inner=drafter(name))
+
+
+def _hf_models():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    d = {k: v for k, v in config_dict("2p2b").items() if k not in ("model_type", "auto_map", "architectures")}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            torch.manual_seed(0)
+            main = DeepseekV3ForCausalLM(DeepseekV3Config(**d)).eval()
+            assistant = DeepseekV3ForCausalLM(DeepseekV3Config(**{**d, "num_hidden_layers": 1,
+                                                                  "first_k_dense_replace": 1})).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return main, assistant
+
+
+@requires_cuda
+@requires_mla
+def test_transformers_generate_baselines(benchmark):
+    """transformers' DeepseekV3ForCausalLM.generate (eager, its own cache) and its assisted
+    generation (a one-layer random assistant) on the 2p2b configuration."""
+    main, assistant = _hf_models()
+    ids = prompt("2p2b")
+    common = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        main.generate(ids, max_new_tokens=4, **common)  # warm-up
+
+        def timed(**kwargs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = main.generate(ids, **common, **kwargs)
+            torch.cuda.synchronize()
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+
+        plain = benchmark.pedantic(lambda: timed(max_new_tokens=HF_TOKENS), rounds=1, iterations=1)
+        assisted = timed(max_new_tokens=ASSISTED_TOKENS, assistant_model=assistant)
+    info = dict(bench="transformers", config="2p2b", generate_tokens_per_s=plain, assisted_tokens_per_s=assisted,
+                generate_tokens=HF_TOKENS, assisted_tokens=ASSISTED_TOKENS)
+    ar = RESULTS.get(("2p2b", "ar"))
+    if ar is not None:
+        info.update(our_ar_vs_transformers=ar["wall_rate"] / plain)
+    oracle80 = RESULTS.get(("2p2b", "oracle", 0.8))
+    if oracle80 is not None:
+        info.update(ddtree80_vs_transformers=oracle80 / plain, ddtree80_vs_assisted=oracle80 / assisted)
+    if ar is not None and oracle80 is not None:
+        info.update(ddtree80_vs_our_ar=oracle80 / ar["rate"])
+    record(benchmark, **info)

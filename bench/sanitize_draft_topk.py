@@ -1,0 +1,25 @@
+"""Representative calls of the draft top-K ops, for compute-sanitizer memcheck / racecheck runs:
+bf16 with 16-byte loads (several chunks, k = 1024), float32 with the scalar path and the 64 KB
+shared-memory chunk (V = 262144 would take long under the sanitizer, so V = 262136 + unaligned
+base), partial + merge."""
+import torch
+
+import torch_kdtree  # noqa: F401
+from torch_kdtree.ops import draft_topk, draft_topk_merge, draft_topk_partial, draft_topk_reference
+
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(1, 2, 163840, generator=g) * 3).bfloat16()
+lp, ids = draft_topk(x.cuda(), 1024)
+assert torch.equal(ids.cpu(), draft_topk_reference(x, 1024).token_ids)
+
+y = torch.randint(-4, 3, (1 * 1 * 262136 + 1,), generator=g).float()
+yc = y.cuda()[1:].view(1, 1, 262136)
+lp, ids = draft_topk(yc, 1000)
+assert torch.equal(ids.cpu(), draft_topk_reference(y[1:].view(1, 1, 262136), 1000).token_ids)
+
+parts = [draft_topk_partial(x[..., i * 40960:(i + 1) * 40960].contiguous().cuda(), 256, i * 40960) for i in range(4)]
+merged = draft_topk_merge(torch.stack([p.values for p in parts]), torch.stack([p.token_ids for p in parts]),
+                          torch.stack([p.lse for p in parts]), 256)
+assert torch.equal(merged.token_ids.cpu(), draft_topk_reference(x, 256).token_ids)
+torch.cuda.synchronize()
+print("ok")

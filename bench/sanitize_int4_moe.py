@@ -1,0 +1,57 @@
+"""Small int4_moe run for compute-sanitizer (memcheck, racecheck, synccheck):
+
+    compute-sanitizer --tool memcheck  python bench/sanitize_int4_moe.py
+    compute-sanitizer --tool racecheck python bench/sanitize_int4_moe.py
+
+Covers the K2 hidden size (H = 7168) with I = 256 on a few experts: block_size 8 with split-K
+(the decode path), block_size 32 and 64 without split, an expert map, int64 ids, and the repack.
+Exits non-zero if a result is off (relative error > 1e-2 against the reference).
+"""
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch_kdtree.ops import int4_moe_reference, int4_moe_weights  # noqa: E402
+from torch_kdtree.ops.moe import int4_moe_workspace_bytes  # noqa: E402
+
+
+def compressed(E, N, K, gen):
+    packed = torch.randint(-2**31, 2**31, (E, N, K // 8), generator=gen, dtype=torch.int32, device="cuda")
+    scale = ((torch.rand((E, N, K // 32), generator=gen, device="cuda") + 0.5) / (4.6 * math.sqrt(K)))
+    return packed, scale.to(torch.bfloat16)
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, H, I = 12, 7168, 256
+    w = int4_moe_weights(*compressed(E, I, H, gen), *compressed(E, I, H, gen), *compressed(E, H, I, gen))
+    emap = torch.full((20,), -1, dtype=torch.int32, device="cuda")
+    emap[torch.randperm(20, generator=gen, device="cuda")[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
+    ok = True
+    for T, k, block_size, k_splits, use_map, long_ids in [(3, 8, 8, 7, False, False), (37, 8, 32, 1, True, True),
+                                                          (70, 4, 64, 2, False, False)]:
+        num_global = 20 if use_map else E
+        x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.rand((T, num_global), generator=gen, device="cuda").argsort(1)[:, :k].contiguous()
+        ids = ids if long_ids else ids.to(torch.int32)
+        tw = torch.rand((T, k), generator=gen, device="cuda")
+        m = emap if use_map else None
+        ws = torch.empty(int4_moe_workspace_bytes(T, k, E, H, I, block_size, k_splits), dtype=torch.uint8,
+                         device="cuda")
+        out = torch.full_like(x, float("nan"))
+        torch.ops.kdtree.int4_moe_out(x, *w[:4], ids, tw, m, 32, block_size, k_splits, ws, out)
+        ref = int4_moe_reference(x, *w[:4], ids, tw, m, 32)
+        err = float((out.double() - ref.double()).norm() / ref.double().norm())
+        print(f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map}: rel err {err:.2e}")
+        ok &= err <= 1e-2 and not torch.isnan(out).any().item()
+    torch.cuda.synchronize()
+    print("OK" if ok else "MISMATCH")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""``KimiK2ForCausalLM.generate``: transformers-style arguments in, DDTree or autoregressive
+decoding through :class:`~.session.GenerationSession`, transformers-style output out.
+
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=256, eos_token_id=eos,
+                         speculative="ddtree", drafter=drafter, tree_budget="auto",
+                         do_sample=True, temperature=0.7, top_p=0.9, streamer=streamer,
+                         return_dict_in_generate=True)
+    out.sequences          # [R, T + generated], prompts as given, pad_token_id after each end
+    out.accept_lengths     # [R, steps] tokens each step emitted (0 once finished)
+
+``speculative=None`` (and no drafter) is plain autoregressive decoding through the same paged
+cache, kernels and CUDA graphs.  Greedy DDTree output equals greedy autoregressive output token
+for token; sampled output has the autoregressive distribution (sample-and-walk, sampling.py).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+from transformers.utils import ModelOutput
+
+from .budget import AUTO_BUDGETS, BudgetPlanner, FixedBudget
+from .sampling import SamplingMode
+from .session import GenerationSession
+
+# transformers' defaults for fields a GenerationConfig leaves unset (None)
+_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
+_NEUTRAL = {
+    "num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
+    "min_new_tokens": (None, 0), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "sequence_bias": (None,), "guidance_scale": (None, 1.0), "stop_strings": (None,), "max_time": (None,),
+    "output_scores": (None, False), "output_logits": (None, False), "output_attentions": (None, False),
+    "output_hidden_states": (None, False), "penalty_alpha": (None,), "dola_layers": (None,),
+    "num_beam_groups": (None, 1), "diversity_penalty": (None, 0.0), "constraints": (None,),
+    "force_words_ids": (None,), "watermarking_config": (None,), "prompt_lookup_num_tokens": (None,),
+    "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False),
+}
+_REFUSED_ARGS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+                 "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer",
+                 "tokenizer")
+
+
+@dataclass
+class DDTreeGenerateOutput(ModelOutput):
+    """sequences [R, T + G]: prompts as given, then the generated tokens, ``pad_token_id`` after a
+    request's end.  accept_lengths int [R, steps]: tokens each step emitted per request (0 once
+    finished).  budgets: the tree budget of each step (0 = autoregressive).  profile: per-step
+    phase times (ms) and accept lengths, with ``profile=True``.  budget_history: the planner's
+    estimates per segment with ``tree_budget="auto"``.  step_seconds: time inside the decoding
+    steps (CUDA events; no prefill, no host gaps, no oracle look-ahead)."""
+
+    sequences: torch.LongTensor = None
+    accept_lengths: Optional[torch.Tensor] = None
+    budgets: Optional[list] = None
+    profile: Optional[list] = None
+    budget_history: Optional[list] = None
+    step_seconds: Optional[float] = None
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens per step over the steps where a request was running."""
+        running = self.accept_lengths[self.accept_lengths > 0]
+        return float(running.float().mean()) if running.numel() else 0.0
+
+
+def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
+    for name in _REFUSED_ARGS:
+        if kwargs.pop(name, None) is not None:
+            raise NotImplementedError(f"generate: {name} is not supported by the DDTree / paged-cache loop")
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    if unused:
+        raise TypeError(f"generate: unexpected arguments {sorted(unused)}")
+    for name, neutral in _NEUTRAL.items():
+        if getattr(config, name, None) not in neutral:
+            raise NotImplementedError(f"generate: {name}={getattr(config, name)!r} is not supported "
+                                      f"(supported: max_new_tokens, max_length, eos_token_id, pad_token_id, "
+                                      f"do_sample, temperature, top_k, top_p)")
+    return config
+
+
+def _value(config: GenerationConfig, name: str):
+    value = getattr(config, name, None)
+    return _DEFAULTS[name] if value is None else value
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompts and their lengths from left- or right-padded ``input_ids`` [R, T]."""
+    if attention_mask is None:
+        return input_ids, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.int64)
+    mask = attention_mask.to("cpu").bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"generate: attention_mask shape {tuple(mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    lengths = mask.sum(1)
+    if (lengths == 0).any():
+        raise ValueError("generate: every request needs at least one prompt token (attention_mask row of zeros)")
+    first = mask.long().argmax(1)
+    t = torch.arange(mask.shape[1])
+    if not torch.equal(mask, (t >= first[:, None]) & (t < (first + lengths)[:, None])):
+        raise ValueError("generate: each attention_mask row must be one contiguous run of ones (left or right padding)")
+    ids = input_ids.to("cpu")
+    gather = (first[:, None] + t).clamp(max=mask.shape[1] - 1)
+    right = torch.where(t < lengths[:, None], ids.gather(1, gather), torch.zeros_like(ids))
+    return right, lengths
+
+
+def _bucket(n: int, step: int = 16) -> int:
+    return max(step, -(-n // step) * step)
+
+
+class DDTreeGenerationMixin(GenerationMixin):
+    """``generate`` for :class:`KimiK2ForCausalLM`: DDTree speculative or autoregressive decoding
+    in CUDA graphs over the paged latent cache (module docstring).  transformers' own loop stays
+    reachable as ``GenerationMixin.generate(model, ...)``."""
+
+    @torch.no_grad()
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
+                 attention_mask: torch.Tensor | None = None, speculative: str | None = None, drafter=None,
+                 tree_budget: int | str = "auto", streamer=None, profile: bool = False, sync_every: int = 8,
+                 cuda_graphs: bool = True, compile_step: bool | str = False, page_size: int = 64, **kwargs):
+        """Generate continuations of ``inputs`` [R, T] (or ``input_ids=``).
+
+        Args:
+            generation_config / kwargs: transformers' fields ``max_new_tokens`` (or
+                ``max_length``), ``eos_token_id`` (int or list), ``pad_token_id``, ``do_sample``,
+                ``temperature``, ``top_k``, ``top_p``, ``return_dict_in_generate``; anything
+                else that would change the output is refused by name.
+            attention_mask: [R, T], one run of ones per row (left or right padding).
+            speculative: ``"ddtree"`` (implied by a drafter) or None for autoregressive decoding.
+            drafter: a DFlash drafter (``DFlashDraftModel``) or an :class:`OracleDrafter`.
+            tree_budget: B, the number of draft nodes per tree (1..1024), or ``"auto"`` (budget.py).
+            streamer: transformers' ``BaseStreamer`` (``put`` / ``end``), batch size 1; it receives
+                the prompt, then new tokens every ``sync_every`` steps.
+            profile: run steps eagerly with per-phase CUDA-event times (``out.profile``).
+            sync_every: steps between the host's checks for finished requests (default 8).
+            cuda_graphs: capture each step in a CUDA graph and replay it (CUDA only).
+            compile_step: also run the step through ``torch.compile(fullgraph=True)``
+                (True: inductor; or a backend name).
+            page_size: tokens per page of the paged latent cache.
+
+        Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
+        with ``return_dict_in_generate=True``.
+        """
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        if input_ids is None:
+            raise ValueError("generate: pass input_ids")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        config = _resolve_config(self, generation_config, kwargs)
+        if speculative is None and drafter is not None:
+            speculative = "ddtree"
+        if speculative not in (None, "ddtree"):
+            raise ValueError(f"generate: speculative must be 'ddtree' or None, got {speculative!r}")
+        if speculative == "ddtree" and drafter is None:
+            raise ValueError("generate: speculative='ddtree' needs a drafter (a DFlashDraftModel or OracleDrafter)")
+        R, T = input_ids.shape
+        max_new = config.max_new_tokens
+        if max_new is None:
+            max_new = _value(config, "max_length") - T
+        if max_new < 0:
+            raise ValueError(f"generate: max_length {config.max_length} is shorter than the prompt ({T} tokens)")
+        eos = config.eos_token_id
+        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+        return_dict = bool(config.return_dict_in_generate)
+        if streamer is not None and R != 1:
+            raise ValueError("generate: a streamer needs batch size 1 (as transformers' TextStreamer)")
+        if max_new == 0:
+            return DDTreeGenerateOutput(sequences=input_ids) if return_dict else input_ids
+        prompts, lengths = _prompts(input_ids, attention_mask)
+
+        do_sample = bool(_value(config, "do_sample"))
+        sampling = (_value(config, "temperature"), _value(config, "top_k"), _value(config, "top_p")) if do_sample \
+            else None
+        mode = SamplingMode(do_sample, do_sample and ((0 < sampling[1] < self.config.vocab_size) or sampling[2] < 1.0))
+        if speculative is None:
+            budgets, auto = (0,), False
+        elif tree_budget == "auto":
+            budgets, auto = AUTO_BUDGETS, True
+        elif isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and 1 <= tree_budget <= 1024:
+            budgets, auto = (tree_budget,), False
+        else:
+            raise ValueError(f"generate: tree_budget must be an int in [1, 1024] or 'auto', got {tree_budget!r}")
+
+        session = _session(self, drafter if speculative else None, R=R, max_prompt=_bucket(T),
+                           max_new=_bucket(max_new), budgets=budgets, mode=mode, page_size=page_size,
+                           cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
+                           measure=auto)
+        policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
+        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling)
+        if streamer is not None:
+            streamer.put(prompts[:, : int(lengths[0])].cpu())
+        sent = 0
+
+        def stream():
+            nonlocal sent
+            tokens, count = session.tokens()
+            if count[0] > sent:
+                streamer.put(tokens[:, sent : count[0]])
+                sent = count[0]
+
+        run = session.run(policy, profile=profile, on_poll=stream if streamer is not None else None)
+        if streamer is not None:
+            streamer.end()
+
+        generated, count = session.tokens()
+        width = max(count)
+        tail = torch.full((R, width), pad, dtype=torch.int64)
+        for r, n in enumerate(count):
+            tail[r, :n] = generated[r, :n]
+        sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
+        if not return_dict:
+            return sequences
+        log = session.accept_log[: len(run["budgets"])].T.cpu()
+        steps = int((log.sum(0) > 0).nonzero().max()) + 1 if log.any() else 0  # drop the idle tail
+        return DDTreeGenerateOutput(sequences=sequences, accept_lengths=log[:, :steps],
+                                    budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
+                                    budget_history=getattr(policy, "history", None) if auto else None,
+                                    step_seconds=run["step_seconds"])
+
+
+MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, least recently used dropped
+
+
+def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, cuda_graphs, compile_step,
+             sync_every, measure) -> GenerationSession:
+    """A cached session of the model that fits these shapes (its graphs are reused), else a new one."""
+    key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, cuda_graphs, compile_step,
+           sync_every, model.device, model.dtype)
+    sessions = model.__dict__.setdefault("_ddtree_sessions", {})
+    session = sessions.pop(key, None)
+    if session is not None and session.drafter_state != _drafter_state(drafter):
+        session = None  # the drafter's context buffers were reallocated by another session
+    if session is None:
+        while len(sessions) >= MAX_SESSIONS:
+            sessions.pop(next(iter(sessions)))  # free the oldest buffers and graphs first
+        session = GenerationSession(model, drafter, batch_size=R, max_prompt=max_prompt, max_new=max_new,
+                                    budgets=budgets, mode=mode, page_size=page_size, cuda_graphs=cuda_graphs,
+                                    compile_step=compile_step, sync_every=sync_every)
+        session.drafter_state = _drafter_state(drafter)
+        session.step_seconds = None
+    elif drafter is not None and hasattr(drafter, "attach"):
+        drafter.attach(model, session.cache)
+    sessions[key] = session  # most recently used last
+    if measure and session.step_seconds is None:
+        session.step_seconds = session.measure_step_seconds(budgets)
+    return session
+
+
+def _drafter_state(drafter):
+    """Identifies the drafter's context buffers: a session is stale once they were reallocated."""
+    if drafter is None:
+        return None
+    return id(getattr(drafter, "context_lengths", None))
+
+
+__all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]

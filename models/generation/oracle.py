@@ -1,0 +1,189 @@
+"""An oracle drafter for tests and benchmarks: it knows the target's own greedy continuation.
+
+Before each draft, :meth:`OracleDrafter.prepare` decodes the target greedily for
+L = block_size - 1 tokens after the root, in place on the generation's paged cache (at the
+positions the tree overwrites next; the committed lengths are restored), so the continuation
+always follows the actual prefix, whatever was generated before.  The session runs ``prepare``
+as its own graph just before each step, outside the step's timing: the look-ahead is the
+oracle's knowledge, not a drafter's cost.  :meth:`forward` (inside the step) then emits
+per-depth marginals that put, at depth d:
+
+- with probability ``accuracy``: the true token first, a wrong token second;
+- otherwise a wrong token first, and second either the true token (probability
+  ``second_choice``: the tree can recover it through a sibling) or another wrong token, the
+  true one then far down (out of any tree).
+
+The coin flips come from tables drawn from ``seed`` and indexed by (request, position of the
+root, depth): a run is reproducible and each step's draws are fresh.  Everything has a fixed
+shape and stays on the device, so the oracle runs inside the same captured step as a real
+drafter.  With ``inner`` (a DFlash drafter) the inner drafter runs too (a real drafter's cost
+and context) and its logits fill the ranks the oracle does not set.
+
+With ``accuracy=1`` the greedy chain is the tree's spine: a step accepts L + 1 tokens when
+B >= L, B + 1 when B < L.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class OracleDrafter(nn.Module):
+    """A drafter with the protocol of :class:`~torch_kdtree.models.DFlashDraftModel`
+    (``block_size``, ``target_layer_ids``, ``setup_cache``, ``append_context``,
+    ``reset_context``, ``forward(root) -> logits [R, L, V]``) plus ``prepare(root)`` and
+    ``attach(target, cache)``, which the generation session calls.
+
+    Args:
+        target: the :class:`KimiK2ForCausalLM` being decoded (its greedy continuation is drafted).
+        block_size: bs; L = bs - 1 draft depths (with ``inner``, the inner's block size).
+        accuracy: probability that a depth's top choice is the target's greedy token.
+        second_choice: probability that a wrong top choice has the true token second.
+        seed: seeds the coin-flip tables.
+        inner: optional drafter run alongside (cost realism); it receives the taps and context.
+    """
+
+    def __init__(self, target, block_size: int = 8, accuracy: float = 1.0, *, second_choice: float = 0.5,
+                 seed: int = 0, inner: nn.Module | None = None):
+        super().__init__()
+        self._target = [target]  # a list: not a submodule (no parameters, no .to() of the target)
+        self.inner = inner
+        self._block_size = inner.block_size if inner is not None else int(block_size)
+        if self._block_size < 2:
+            raise ValueError(f"OracleDrafter: block_size must be >= 2 (one draft depth), got {self._block_size}")
+        self.vocab_size = target.config.vocab_size
+        self.seed = int(seed)
+        self._check(accuracy, second_choice)
+        self.accuracy, self.second_choice = float(accuracy), float(second_choice)
+        self._cache = None
+        self.context_lengths = None
+
+    @staticmethod
+    def _check(accuracy, second_choice) -> None:
+        if not 0.0 <= accuracy <= 1.0 or not 0.0 <= second_choice <= 1.0:
+            raise ValueError(f"OracleDrafter: accuracy and second_choice must be in [0, 1], got {accuracy}, "
+                             f"{second_choice}")
+
+    # ---- drafter protocol ----
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.inner.target_layer_ids) if self.inner is not None else []
+
+    def attach(self, target, cache) -> None:
+        """The session's target and paged cache, where the greedy continuation is decoded."""
+        if target is not self._target[0]:
+            raise ValueError("OracleDrafter: attached to a different target than it was built for")
+        self._cache = cache
+
+    def bind_target(self, embed_tokens, lm_head) -> "OracleDrafter":
+        if self.inner is not None:
+            self.inner.bind_target(embed_tokens, lm_head)
+        return self
+
+    def setup_cache(self, num_requests: int, capacity: int, *, device=None) -> None:
+        """Context counters, the continuation buffer and coin-flip tables for ``capacity`` root
+        positions (fixed addresses, so a captured step stays valid across :meth:`set_accuracy`)."""
+        if self.inner is not None:
+            self.inner.setup_cache(num_requests, capacity, device=device)
+        device = torch.device(device) if device is not None else self._target[0].device
+        shape = (num_requests, capacity + 1, self._block_size - 1)
+        self.correct = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.second = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.wrong_offset = torch.ones(shape, dtype=torch.int64, device=device)
+        self.log_beliefs = torch.zeros(3, dtype=torch.float32, device=device)  # first, second, rest
+        self.continuation = torch.zeros(num_requests, self._block_size - 1, dtype=torch.int64, device=device)
+        self.context_lengths = torch.zeros(num_requests, dtype=torch.int64, device=device)
+        self._ones = torch.ones(num_requests, 1, 1, dtype=torch.bool, device=device)
+        self.set_accuracy(self.accuracy, self.second_choice)
+
+    def set_accuracy(self, accuracy: float, second_choice: float | None = None) -> None:
+        """Redraw the coin-flip tables (from ``seed``) for new probabilities, in place."""
+        second_choice = self.second_choice if second_choice is None else second_choice
+        self._check(accuracy, second_choice)
+        self.accuracy, self.second_choice = float(accuracy), float(second_choice)
+        if self.context_lengths is None:
+            return  # setup_cache draws them
+        shape, V = self.correct.shape, self.vocab_size
+        g = torch.Generator().manual_seed(self.seed)
+        self.correct.copy_(torch.rand(shape, generator=g) < self.accuracy)
+        self.second.copy_(torch.rand(shape, generator=g) < self.second_choice)
+        # wrong tokens as offsets 1..V-1 from the true token, so they never equal it
+        self.wrong_offset.copy_(torch.randint(1, max(V, 2), shape, generator=g))
+        # The oracle's beliefs, calibrated to its coin flips where the rank order allows:
+        # P(first right) = accuracy, P(second right) = (1 - accuracy) * second_choice, the rest
+        # spread over V - 2 tokens but kept e^-8 below the second (what the oracle drops stays
+        # out of the tree); the first always on top.  A log-softmax follows: no normalisation.
+        eps = 1e-6
+        second = math.log(max((1 - self.accuracy) * self.second_choice, eps))
+        first = max(math.log(max(self.accuracy, eps)), second + 0.01)
+        rest = min(math.log(max((1 - self.accuracy) * (1 - self.second_choice), eps) / max(V - 2, 1)), second - 8)
+        self.log_beliefs.copy_(torch.tensor([first, second, rest]))
+
+    def reset_context(self, requests: torch.Tensor | None = None) -> None:
+        if self.inner is not None:
+            self.inner.reset_context(requests)
+        if requests is None:
+            self.context_lengths.zero_()
+        else:
+            self.context_lengths.masked_fill_(requests.to(self.context_lengths.device, torch.bool), 0)
+
+    def append_context(self, taps, lengths=None, *, valid=None, indices=None) -> None:
+        if self.inner is not None:
+            self.inner.append_context(taps, lengths, valid=valid, indices=indices)
+        if lengths is not None:
+            counts = lengths
+        elif valid is not None:
+            counts = valid.sum(1)
+        elif indices is not None:
+            counts = (indices >= 0).sum(1)
+        else:
+            counts = taps.shape[1]
+        if isinstance(counts, torch.Tensor):
+            counts = counts.to(self.context_lengths.device, torch.int64)
+        self.context_lengths.add_(counts)
+
+    # ---- the look-ahead and the draft ----
+    @torch.no_grad()
+    def prepare(self, root_tokens: torch.Tensor) -> None:
+        """Decode the target's greedy tokens after each root into :attr:`continuation` [R, L],
+        one at a time at cache positions lengths .. lengths + L - 1 (overwritten by the next
+        tree), the lengths restored afterwards."""
+        if self._cache is None:
+            raise RuntimeError("OracleDrafter: attach(target, cache) first (the generation session does)")
+        target, cache = self._target[0], self._cache
+        x = root_tokens
+        for depth in range(self._block_size - 1):
+            logits = target(x[:, None], cache.lengths.long()[:, None], cache, self._ones).logits[:, 0]
+            x = logits.argmax(-1)
+            self.continuation[:, depth] = x
+            cache.lengths.add_(1)
+        cache.lengths.sub_(self._block_size - 1)
+
+    def forward(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, L, V] of the oracle's marginals around :attr:`continuation`
+        (call :meth:`prepare` with the same roots first)."""
+        R, L, V = root_tokens.shape[0], self._block_size - 1, self.vocab_size
+        true = self.continuation
+        pos = self.context_lengths.clamp(max=self.correct.shape[1] - 1)
+        rows = torch.arange(R, device=root_tokens.device)
+        correct, second, offset = self.correct[rows, pos], self.second[rows, pos], self.wrong_offset[rows, pos]
+        wrong = (true + offset) % V
+        other_wrong = (true + offset % max(V - 1, 1) + 1) % V  # differs from wrong (and true) when V > 2
+        first = torch.where(correct, true, wrong)
+        runner_up = torch.where(correct, wrong, torch.where(second, true, other_wrong))
+        lp_first, lp_second, lp_rest = self.log_beliefs.unbind()
+        if self.inner is not None:  # the inner drafter's logits, squashed below the ranks set here
+            logits = torch.sigmoid(self.inner(root_tokens).float()) + (lp_rest - 1)
+        else:
+            logits = lp_rest.expand(R, L, V).clone()
+        logits = logits.scatter(-1, runner_up[..., None], lp_second.expand(R, L, 1))
+        return logits.scatter(-1, first[..., None], lp_first.expand(R, L, 1))
+
+
+__all__ = ["OracleDrafter"]

@@ -1,0 +1,93 @@
+"""The target's token at every verified node: greedy argmax, or one Gumbel-max sample per node.
+
+Sample-and-walk (ddtree.md) is lossless when every node's token is an independent draw from the
+target's processed distribution at that node.  ``argmax(scores + Gumbel noise)`` is such a draw
+(the Gumbel-max trick), needs no ``multinomial`` and no host synchronisation, and keeps one
+fixed shape, so it runs inside a captured CUDA graph; the noise comes from the default
+generator (graph-safe: each replay draws fresh numbers).
+
+Logits processing follows transformers' warpers exactly, in their order: temperature, top-k
+(ties with the k-th value kept), top-p (``cumsum(softmax(ascending)) <= 1 - top_p`` removed,
+the most likely token always kept).  The parameters are device tensors with one value per
+request, so changing them needs no new graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingMode:
+    """The structural part of token selection (fixed when a step is captured).
+
+    do_sample: Gumbel-max sampling, else argmax.  filtered: top-k / top-p masking is applied
+    (two sorts over the vocabulary per node, skipped when neither is in use).
+    """
+
+    do_sample: bool = False
+    filtered: bool = False
+
+
+class SamplingParams:
+    """Per-request sampling parameters on the device: temperature float32 [R], top_k int64 [R]
+    (V = no top-k), top_p float32 [R] (1.0 = no top-p)."""
+
+    def __init__(self, batch_size: int, vocab_size: int, device):
+        self.vocab_size = vocab_size
+        self.temperature = torch.ones(batch_size, dtype=torch.float32, device=device)
+        self.top_k = torch.full((batch_size,), vocab_size, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(batch_size, dtype=torch.float32, device=device)
+
+    def set(self, temperature: float, top_k: int | None, top_p: float | None) -> SamplingMode:
+        """Fill the buffers in place; returns the mode these values need (filtered or not)."""
+        if not temperature > 0:
+            raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"generate: top_k must be >= 0, got {top_k}")
+        k = self.vocab_size if not top_k else min(int(top_k), self.vocab_size)
+        p = 1.0 if top_p is None else float(top_p)
+        self.temperature.fill_(float(temperature))
+        self.top_k.fill_(k)
+        self.top_p.fill_(p)
+        return SamplingMode(do_sample=True, filtered=k < self.vocab_size or p < 1.0)
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """float32 scores [R, N, V] after temperature, top-k (``top_k <= 0``: none) and top-p
+    (removed entries -inf), as transformers' TemperatureLogitsWarper, TopKLogitsWarper and
+    TopPLogitsWarper compute them."""
+    scores = logits.float() / temperature[:, None, None]
+    V = scores.shape[-1]
+    k = torch.where(top_k > 0, top_k, V).clamp(1, V)
+    kth = scores.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None]
+                                                             .expand(*scores.shape[:2], 1))
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    ascending, order = scores.sort(dim=-1)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None, None]
+    remove[..., -1] = False
+    return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def gumbel_like(scores: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise, ``-log(-log(U))`` with U ~ Uniform[0, 1) (U = 0 gives -inf: that
+    token is never drawn by this noise, an event of probability 0)."""
+    return -torch.log(-torch.log(torch.rand_like(scores)))
+
+
+def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingParams | None) -> torch.Tensor:
+    """int64 [R, N]: the target's token at each of N nodes of R requests from logits [R, N, V]."""
+    if not mode.do_sample:
+        return logits.argmax(dim=-1)
+    if mode.filtered:
+        scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    else:
+        scores = logits.float() / params.temperature[:, None, None]
+    return (scores + gumbel_like(scores)).argmax(dim=-1)
+
+
+__all__ = ["SamplingMode", "SamplingParams", "process_logits", "select_tokens", "gumbel_like"]

@@ -1,0 +1,438 @@
+"""The device-resident generation loop: prefill, the DDTree / autoregressive step, CUDA graphs.
+
+A :class:`GenerationSession` owns every buffer one batch of R requests needs — the target's
+paged latent cache, the drafter's context cache, the roots, the output buffer, the finished
+flags, per-step statistics — allocated once, at fixed addresses.  One step is (design.md):
+
+    draft logits [R, L, V] = drafter(root)            L = block_size - 1
+    lp, ids [R, L, K]      = draft_topk(logits, K)    K = min(B, V)
+    tree (N = B + 1)       = ddtree_build(lp, ids, root, B)
+    logits [R, N, V], taps = target(tree tokens, committed_len + depth, visible)
+    post [R, N]            = argmax, or Gumbel-max samples (sampling.py)
+    acc                    = tree_accept(tree, post)
+    kv_commit(all layers); lengths += accepted; drafter context += taps at the accepted path
+    output buffer += the accepted drafts and the next root; EOS / max_new_tokens -> finished
+
+Budget B = 0 is the autoregressive step (the root alone through the same cache and kernels).
+Every shape is fixed by (R, block size, B) and nothing reads the device on the host, so on CUDA
+each budget's step is captured once in a ``torch.cuda.CUDAGraph`` (warmed up on a side stream,
+all graphs in one memory pool) and replayed.  Finished requests keep running, masked: they
+commit nothing, emit nothing and write only at positions the next tree overwrites anyway.
+
+On CUDA the host looks at the device every ``sync_every`` steps (default 8: one ~10-50 us
+stall per 8 steps), or sooner when fewer steps can still be needed (each step emits at least
+one token per running request), so at most 7 steps run after the last request finishes; that
+is when finished requests are noticed, streamers get tokens and the budget planner updates.
+On the CPU, where every op completes before the next is issued, it looks after every step.  A step may emit
+past EOS or ``max_new_tokens``; the output is truncated afterwards, exactly where
+autoregressive generation stops.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from torch_kdtree.ops import ddtree_build, draft_topk, kv_commit, tree_accept, value_checks
+
+from .sampling import SamplingMode, SamplingParams, select_tokens
+
+MAX_EOS = 8
+PHASES = ("draft", "topk", "build", "verify", "accept", "commit")
+
+
+def _has_device_kernel(op: str, device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, device.type.upper())
+
+
+class PhaseTimer:
+    """Per-phase wall time of one eager step: CUDA events on a GPU, perf_counter on the CPU
+    (where ops run synchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str | None, object]] = []
+
+    def mark(self, phase: str | None) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = time.perf_counter()
+        self.marks.append((phase, event))
+
+    def millis(self) -> dict[str, float]:
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out = {f"{p}_ms": 0.0 for p in PHASES}
+        for (phase, start), (_, end) in zip(self.marks, self.marks[1:]):
+            if phase is not None:
+                ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+                out[f"{phase}_ms"] += ms
+        out["total_ms"] = sum(out[f"{p}_ms"] for p in PHASES)
+        return out
+
+
+class GenerationSession:
+    """Buffers and captured steps for R requests (module docstring).
+
+    Args:
+        target: a :class:`KimiK2ForCausalLM` (eval mode).
+        drafter: None (autoregressive only) or a drafter with the DFlash protocol
+            (``block_size``, ``target_layer_ids``, ``setup_cache``, ``reset_context``,
+            ``append_context``, ``forward(root) -> logits [R, L, V]``; optional ``bind_target``
+            and ``attach(target, cache)``).
+        batch_size: R.
+        max_prompt, max_new: longest prompt and ``max_new_tokens`` the buffers must hold.
+        budgets: the budgets with a step (0 = autoregressive); each gets its own graph.
+        mode: greedy or sampling (:class:`SamplingMode`), fixed per session.
+        page_size: tokens per page of the target's cache.
+        cuda_graphs: capture and replay on CUDA (ignored on the CPU).
+        compile_step: run each step through ``torch.compile(fullgraph=True)`` (captured in the
+            graphs on CUDA); True for inductor, or a backend name (e.g. ``"aot_eager"``).
+        sync_every: steps between host checks.
+    """
+
+    def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
+                 mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
+                 compile_step: bool | str = False, sync_every: int = 8):
+        from torch_kdtree.models.kimi_k2 import KimiK2Cache
+
+        self.target, self.drafter = target, drafter
+        self.device = target.device
+        self.R, self.mode, self.sync_every = batch_size, mode, max(1, int(sync_every))
+        self.vocab = target.config.vocab_size
+        self.budgets = tuple(sorted(set(int(b) for b in budgets)))
+        if drafter is None and any(self.budgets):
+            raise ValueError("GenerationSession: tree budgets need a drafter")
+        self.block_size = drafter.block_size if drafter is not None else 1
+        L = self.L = self.block_size - 1
+        self.taps = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.max_prompt, self.max_new = max_prompt, max_new
+        nodes = max(self.budgets) + 1
+        self.capacity = max_prompt + max_new + L + max(nodes, L) + 2
+        self.width = max_new + L + 2  # the last column is the sink for masked writes
+        self.max_steps = max_new + self.sync_every + 1
+        dev = self.device
+        self.cache = KimiK2Cache.for_model(target, batch_size, self.capacity, page_size=page_size,
+                                           dtype=target.dtype, device=dev)
+        if drafter is not None:
+            if hasattr(drafter, "bind_target"):
+                drafter.bind_target(target.model.embed_tokens, target.lm_head)
+            drafter.setup_cache(batch_size, max_prompt + max_new + L + 2, device=dev)
+            if hasattr(drafter, "attach"):
+                drafter.attach(target, self.cache)
+        self.params = SamplingParams(batch_size, self.vocab, dev)
+        self.root = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(batch_size, self.width, dtype=torch.int64, device=dev)
+        self.out_len = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        self.done = torch.ones(batch_size, dtype=torch.bool, device=dev)  # nothing commits before a prefill
+        self.max_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        self.eos = torch.full((MAX_EOS,), -1, dtype=torch.int64, device=dev)
+        self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
+        self.cf_sum = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
+        self.cf_count = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
+        self._ones = torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev)
+        self._topk_kernel = _has_device_kernel("kdtree::draft_topk", dev)
+        self._prepare = getattr(drafter, "prepare", None) if drafter is not None else None
+        self._timer: PhaseTimer | None = None
+        self._timing: list | None = None
+        self.graphs: dict = {}
+        self.use_graphs = cuda_graphs and dev.type == "cuda"
+        self._gen_max_new, self._gen_eos = 0, []
+        self._fns = {b: self._step_fn(b) for b in self.budgets}
+        if self._prepare is not None and any(self.budgets):
+            self._fns["prepare"] = lambda: self._prepare(self.root)
+        if compile_step:
+            backend = "inductor" if compile_step is True else compile_step
+            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
+                         for k, f in self._fns.items()}
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+            for key, fn in self._fns.items():
+                self._capture(key, fn)
+            self.reset()
+
+    # ------------------------------------------------------------------------------------
+    # the step
+    # ------------------------------------------------------------------------------------
+    def _phase(self, name: str | None) -> None:
+        if self._timer is not None:
+            self._timer.mark(name)
+
+    def _draft_topk(self, logits: torch.Tensor, k: int):
+        if self._topk_kernel:
+            return draft_topk(logits.contiguous(), k)
+        lp = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # no kernel on this device yet
+        return lp.values.contiguous(), lp.indices.contiguous()
+
+    def _ddtree_step(self, budget: int) -> None:
+        target, drafter, cache = self.target, self.drafter, self.cache
+        active = ~self.done
+        self._phase("draft")
+        draft_logits = drafter(self.root)
+        self._phase("topk")
+        lp, ids = self._draft_topk(draft_logits, min(budget, self.vocab))
+        self._phase("build")
+        tree = ddtree_build(lp, ids, self.root, budget)
+        self._phase("verify")
+        positions = cache.lengths.long()[:, None] + tree.depths.clamp(min=0).long()
+        out = target(tree.tokens, positions, cache, tree.visible, tap_layers=self.taps)
+        post = select_tokens(out.logits, self.mode, self.params)
+        self._phase("accept")
+        acc = tree_accept(tree.tokens, tree.parents, post)
+        self._phase("commit")
+        count = torch.where(active, acc.lengths, 0)
+        kv_commit(cache.kv, cache.block_table, cache.lengths, acc.indices, count)
+        drafter.append_context(out.taps, count, indices=acc.indices[:, : self.block_size])
+        cache.advance(count)
+        # emitted this step: the accepted drafts (path nodes 1..a-1), then the next root
+        path = tree.tokens.gather(1, acc.indices.clamp(min=0).long())[:, 1 : self.L + 2]
+        path = F.pad(path, (0, self.L + 1 - path.shape[1]))
+        j = torch.arange(self.L + 1, device=path.device)
+        new = torch.where(j[None, :] == (count.long() - 1)[:, None], acc.next_tokens[:, None], path)
+        self._emit(new, count, active)
+        self.root.copy_(torch.where(active, acc.next_tokens, self.root))
+        self._record(count, active, acc.indices, budget)
+        self._phase(None)
+
+    def _ar_step(self) -> None:
+        target, cache = self.target, self.cache
+        active = ~self.done
+        self._phase("verify")
+        out = target(self.root[:, None], cache.lengths.long()[:, None], cache, self._ones, tap_layers=self.taps)
+        post = select_tokens(out.logits, self.mode, self.params)[:, 0]
+        self._phase("commit")
+        count = active.to(torch.int32)
+        if self.drafter is not None:  # keeps the drafter's context whole when "auto" switches back
+            self.drafter.append_context(out.taps, count)
+        cache.advance(count)
+        self._emit(post[:, None], count, active)
+        self.root.copy_(torch.where(active, post, self.root))
+        self._record(count, active, None, 0)
+        self._phase(None)
+
+    def _emit(self, new: torch.Tensor, count: torch.Tensor, active: torch.Tensor) -> None:
+        """Append new[r, :count[r]] to the output of the active requests; mark finished ones."""
+        j = torch.arange(new.shape[1], device=new.device)
+        valid = (j[None, :] < count[:, None]) & active[:, None]
+        col = torch.where(valid, self.out_len[:, None] + j, self.width - 1).clamp(max=self.width - 1)
+        self.out.scatter_(1, col, new)
+        hit_eos = (self._is_eos(new) & valid).any(1)
+        self.out_len.add_(torch.where(active, count.long(), 0))
+        self.done.logical_or_(hit_eos | (self.out_len >= self.max_new_t))
+
+    def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        # a broadcast compare: torch.isin may sort and unique (a host sync) for other sizes
+        return (tokens[..., None] == self.eos).any(-1)
+
+    def _record(self, count, active, indices, budget: int) -> None:
+        step = self.step_no.clamp(max=self.max_steps - 1)
+        self.accept_log.index_copy_(0, step, count.to(torch.int32)[None])
+        self.step_no.add_(1)
+        n_active = active.sum().float()
+        for i, b in enumerate(self.budgets):  # counterfactual accept lengths (budget.py)
+            if 0 < b <= budget:
+                within = ((indices >= 0) & (indices <= b)).sum(1).float()
+                self.cf_sum[i] += (within * active).sum()
+                self.cf_count[i] += n_active
+
+    def _step_fn(self, budget: int):
+        return self._ar_step if budget == 0 else (lambda: self._ddtree_step(budget))
+
+    # ------------------------------------------------------------------------------------
+    # graphs, running steps
+    # ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture(self, key, fn) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), value_checks(False):
+            for _ in range(2):  # lazy initialisation and compilation happen outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with value_checks(False), torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        self.graphs[key] = graph
+
+    def _run(self, key, fn) -> None:
+        if self.use_graphs and self._timer is None:
+            self.graphs[key].replay()
+            return
+        with value_checks(False) if self.device.type == "cuda" else nullcontext():
+            fn()
+
+    @torch.no_grad()
+    def step(self, budget: int) -> None:
+        """One step at ``budget``: graph replays on CUDA, else eagerly.  A drafter with a
+        ``prepare(root)`` (the oracle's look-ahead) runs it first, outside the step proper (its
+        own graph), so that step timings (:meth:`run`, :meth:`measure_step_seconds`) leave it out."""
+        if budget and self._prepare is not None:
+            self._run("prepare", self._fns["prepare"])
+        if self._timing is not None:
+            self._timing.append(self._clock())
+        self._run(budget, self._fns[budget])
+        if self._timing is not None:
+            self._timing.append(self._clock())
+
+    def _clock(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _timed_seconds(self) -> float:
+        """Seconds inside the steps recorded since timing started (after a synchronisation)."""
+        marks, self._timing = self._timing, None
+        if self.device.type == "cuda":
+            return sum(a.elapsed_time(b) for a, b in zip(marks[::2], marks[1::2])) / 1e3
+        return sum(b - a for a, b in zip(marks[::2], marks[1::2]))
+
+    @torch.no_grad()
+    def profile_step(self, budget: int) -> dict:
+        """One eager step with per-phase times (ms) and the accept lengths (synchronises)."""
+        if budget and self._prepare is not None:
+            self._run("prepare", self._fns["prepare"])
+        self._timer = PhaseTimer(self.device)
+        try:
+            self._run(budget, self._step_fn(budget))  # eager, uncompiled: the phase marks run
+            times = self._timer.millis()
+        finally:
+            self._timer = None
+        step = int(self.step_no) - 1
+        return {"budget": budget, "accept": self.accept_log[min(step, self.max_steps - 1)].tolist(), **times}
+
+    @torch.no_grad()
+    def time_steps(self, budget: int, steps: int) -> float:
+        """Mean seconds per step of ``steps`` steps at ``budget`` from the current state (they
+        commit tokens like any step); only the step proper is timed (no oracle look-ahead)."""
+        self._timing = []
+        for _ in range(steps):
+            self.step(budget)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self._timed_seconds() / steps
+
+    def measure_step_seconds(self, budgets, repeats: int = 3) -> dict[int, float]:
+        """Seconds per step of each budget on a scratch state (then :meth:`reset`).  Taken
+        right after the graphs are captured, with short contexts (MoE and weight traffic,
+        not attention, dominate the step at these lengths)."""
+        seconds = {}
+        for b in budgets:
+            self.reset()
+            self.step(b)  # warm
+            seconds[b] = self.time_steps(b, repeats)
+        self.reset()
+        return seconds
+
+    def run(self, policy, *, profile: bool = False, on_poll=None) -> dict:
+        """Step until every request is finished, looking at the device every ``sync_every``
+        steps on CUDA (every step on the CPU) or sooner when fewer steps can still be needed.
+
+        ``policy`` gives the budget (``.current``) and sees each segment's counterfactual
+        accept lengths and step time (``.observe``, budget.py); ``on_poll()`` runs after each
+        look.  Returns the budget of every step, the profile rows (``profile=True``: eager
+        steps with per-phase times) and ``step_seconds``, the time spent inside the steps
+        (CUDA events around each step; no prefill, no oracle look-ahead, no host gaps).
+        """
+        budgets, rows, step_seconds = [], [], 0.0
+        cuda = self.device.type == "cuda"
+        remaining = self.remaining()
+        while remaining:
+            if len(budgets) > self.max_new + self.sync_every:
+                raise RuntimeError("generate: requests did not finish within max_new_tokens steps (internal error)")
+            budget = policy.current
+            steps = min(self.sync_every if cuda else 1, remaining)
+            self._timing = [] if not profile else None
+            for _ in range(steps):
+                if profile:
+                    rows.append(self.profile_step(budget))
+                else:
+                    self.step(budget)
+                budgets.append(budget)
+            remaining = self.remaining()
+            seconds = self._timed_seconds() if not profile else sum(r["total_ms"] for r in rows[-steps:]) / 1e3
+            step_seconds += seconds
+            policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps)
+            if on_poll is not None:
+                on_poll()
+        return {"budgets": budgets, "profile": rows, "step_seconds": step_seconds}
+
+    # ------------------------------------------------------------------------------------
+    # host side: reset, prefill, polling
+    # ------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every request (buffers keep their addresses)."""
+        self.cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset_context()
+        for t in (self.root, self.out, self.out_len, self.max_new_t, self.step_no, self.accept_log, self.cf_sum,
+                  self.cf_count):
+            t.zero_()
+        self.done.fill_(True)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, *, max_new: int, eos: list[int],
+                sampling: tuple[float, int | None, float | None] | None = None) -> None:
+        """Start R requests: right-padded prompts ``ids`` [R, T] with ``lengths`` [R]; the
+        first token is chosen here (as every later one: argmax or a Gumbel-max sample)."""
+        R, T = ids.shape
+        if R != self.R or T > self.max_prompt or max_new > self.max_new:
+            raise ValueError(f"GenerationSession: built for R={self.R}, prompts <= {self.max_prompt}, "
+                             f"max_new <= {self.max_new}; got R={R}, T={T}, max_new={max_new}")
+        if len(eos) > MAX_EOS:
+            raise ValueError(f"generate: at most {MAX_EOS} eos_token_id values, got {len(eos)}")
+        self.reset()
+        if sampling is not None:
+            if self.params.set(*sampling) != self.mode:
+                raise ValueError("GenerationSession: sampling parameters need a different captured mode")
+        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
+        self.max_new_t.fill_(max_new)
+        self._gen_max_new, self._gen_eos = max_new, list(eos)
+        lengths = lengths.to(self.device, torch.int64)
+        out = self.target(ids.to(self.device), cache=self.cache, input_lengths=lengths, tap_layers=self.taps,
+                          return_logits=False)
+        last = out.last_hidden_state[torch.arange(R, device=self.device), lengths - 1]
+        first = select_tokens(self.target.lm_head(last)[:, None], self.mode, self.params)[:, 0]
+        self.cache.advance(lengths)
+        if self.drafter is not None:
+            self.drafter.append_context(out.taps, lengths)
+        self.root.copy_(first)
+        self.out[:, 0] = first
+        self.out_len.fill_(1)
+        self.done.copy_(self._is_eos(first) | (self.max_new_t <= 1))
+
+    def remaining(self) -> int:
+        """The most tokens a running request may still emit (0: every request is finished);
+        one small device-to-host read, so it synchronises."""
+        return int((self.max_new_t - self.out_len).masked_fill(self.done, 0).max())
+
+    def tokens(self) -> tuple[torch.Tensor, list[int]]:
+        """The emitted tokens (on the host, [R, max_new]) and each request's count, cut after
+        its first EOS and at max_new_tokens: exactly where autoregressive generation stops."""
+        max_new, eos = self._gen_max_new, self._gen_eos
+        out = self.out[:, :max_new].cpu()
+        count = []
+        for r, n in enumerate(self.out_len.clamp(max=max_new).tolist()):
+            if eos:
+                hits = torch.isin(out[r, :n], torch.tensor(eos)).nonzero()
+                n = int(hits[0, 0]) + 1 if hits.numel() else n
+            count.append(n)
+        return out, count
+
+    def take_counterfactuals(self) -> dict[int, tuple[float, float]]:
+        """The accumulated (sum, count) of counterfactual accept lengths per budget; resets them."""
+        sums, counts = self.cf_sum.tolist(), self.cf_count.tolist()
+        self.cf_sum.zero_()
+        self.cf_count.zero_()
+        return {b: (s, c) for b, s, c in zip(self.budgets, sums, counts)}
+
+
+__all__ = ["GenerationSession", "PhaseTimer", "PHASES", "MAX_EOS"]

@@ -1,0 +1,423 @@
+"""Kimi K2.x text model (DeepSeek-V3 architecture) with MLA over a paged latent KV cache.
+
+Parameter names follow transformers' ``DeepseekV3ForCausalLM`` (so state dicts line up), except
+the routed experts, which are stacked per projection (moe.py).  Two attention paths:
+
+- prefill (``visible`` is None): the non-absorbed form — K/V expanded per head from the latent,
+  causal SDPA; prompts of different lengths are right-padded and given ``input_lengths``.  With a
+  cache, the new tokens' latents are written after each request's committed prefix and the
+  attention covers prefix + new tokens.
+- tree verify / decode (``visible`` given): the absorbed form through
+  :func:`torch_kdtree.ops.mla_tree_attention`; node i of request r is written at position
+  ``cache.lengths[r] + i`` and sees the committed prefix and its ``visible`` tree nodes.  Every
+  shape is fixed by (R, N) and nothing reads device values on the host, so this path runs under
+  ``torch.compile(fullgraph=True)`` and CUDA graphs.  Decode is the tree with N = 1.
+
+Neither path moves ``cache.lengths``: the caller commits (``cache.advance``, ``kv_commit``).
+Sizes that tensor parallelism changes (heads per rank, experts' intermediate size, vocabulary
+shard) are read from weight shapes, so TP is applied from outside.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from torch_kdtree.ops import mla_tree_attention
+
+from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
+
+from .cache import KimiK2Cache
+from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
+from .fixed_dtype import FixedDtype
+from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
+
+# DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
+# RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
+LATENT_NORM_EPS = 1e-6
+
+
+class KimiK2RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE (YaRN, interleaved pairs as DeepSeek lays them out)
+# --------------------------------------------------------------------------------------------
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position: int, beta_fast: float,
+                  beta_slow: float, truncate: bool = True) -> torch.Tensor:
+    """YaRN inverse frequencies: interpolated by ``factor`` below the beta_slow rotation count,
+    extrapolated above beta_fast, a linear ramp between (DeepSeek-V3 / transformers' yarn)."""
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_extrapolated = 1 - ramp
+    return interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
+
+
+class KimiK2RotaryEmbedding(FixedDtype):
+    """cos/sin (fp32, [..., rope_dim / 2]) of the given positions; ``inv_freq`` stays fp32."""
+
+    fixed_dtype = ("inv_freq",)
+
+    def __init__(self, config: KimiK2Config):
+        super().__init__()
+        rope = rope_parameters(config)
+        dim, base = config.qk_rope_head_dim, rope["rope_theta"]
+        if rope["rope_type"] == "yarn":
+            factor = rope_factor(config)
+            inv_freq = yarn_inv_freq(dim, base, factor, rope["original_max_position_embeddings"],
+                                     rope.get("beta_fast") or 32, rope.get("beta_slow") or 1, rope.get("truncate", True))
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            if rope.get("attention_factor") is not None:
+                self.attention_factor = float(rope["attention_factor"])
+            elif mscale and mscale_all_dim:
+                self.attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            else:
+                self.attention_factor = yarn_mscale(factor)
+        else:
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+            self.attention_factor = 1.0
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate pairs of ``x`` [..., d]: interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) or the
+    two halves; the result is laid out as [rotated firsts | rotated seconds] either way (the same
+    for queries and keys, so their dot products are the model's).  Computed in fp32."""
+    if interleave:
+        x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    else:
+        x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------
+
+class _Prefill(NamedTuple):
+    """Per-forward state of the non-absorbed path."""
+    cache: Optional[KimiK2Cache]
+    slots: Optional[torch.Tensor]  # [M] flat cache slots of the valid new tokens (with a cache)
+    valid: Optional[torch.Tensor]  # bool [R, T], the valid new tokens (with a cache)
+    key_len: int                   # S, keys per request (cache positions 0..S-1, or the T new tokens)
+    mask: torch.Tensor             # bool [R, 1, T, S]
+
+
+class _Tree(NamedTuple):
+    """Per-forward state of the absorbed (tree verify / decode) path."""
+    cache: KimiK2Cache
+    slots: torch.Tensor            # [R, N] flat cache slots of the N nodes
+    visible: torch.Tensor          # bool [R, N, N]
+
+
+class KimiK2Attention(nn.Module):
+    """Multi-head latent attention (kimi_k2.md, MLA); heads per rank come from ``q_b_proj`` /
+    ``q_proj`` and ``kv_b_proj`` weight shapes."""
+
+    def __init__(self, config: KimiK2Config):
+        super().__init__()
+        H, heads = config.hidden_size, config.num_attention_heads
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = KimiK2RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = KimiK2RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
+        self.softmax_scale = config.softmax_scale
+        self.rope_interleave = config.rope_interleave is not False
+
+    def _project(self, x, cos, sin):
+        """x [R, T, H] -> q_nope [R, T, h, 128], rotated q_rope [R, T, h, 64], and the cache
+        entries ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, 576]."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos[..., None, :], sin[..., None, :], self.rope_interleave)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
+        return q_nope, q_rope, latent
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per head W_UK [h, 128, 512] and W_UV [h, 128, 512] (views of ``kv_b_proj.weight``)."""
+        w = self.kv_b_proj.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, layer_idx: int) -> torch.Tensor:
+        q_nope, q_rope, latent = self._project(x, cos, sin)
+        if isinstance(batch, _Tree):
+            return self._absorbed(x, q_nope, q_rope, latent, batch, layer_idx)
+        return self._expanded(x, q_nope, q_rope, latent, batch, layer_idx)
+
+    def _expanded(self, x, q_nope, q_rope, latent, batch: _Prefill, layer_idx):
+        """Non-absorbed prefill: K/V per head from the latents of cache positions 0..S-1 (or of
+        the new tokens without a cache), causal SDPA."""
+        R, T = x.shape[:2]
+        if batch.cache is not None:
+            batch.cache.write(layer_idx, batch.slots, latent[batch.valid])
+            latent = batch.cache.read(layer_idx, batch.key_len).to(x.dtype)
+        S = latent.shape[1]
+        c, k_rope = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(R, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        heads = kv.shape[2]
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(R, S, heads, self.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=batch.mask, scale=self.softmax_scale)
+        return self.o_proj(out.transpose(1, 2).reshape(R, T, heads * self.v_head_dim))
+
+    def _absorbed(self, x, q_nope, q_rope, latent, batch: _Tree, layer_idx):
+        """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
+        d_v 512), out = o_lat W_UV^T, o_proj."""
+        R, N = x.shape[:2]
+        cache = batch.cache
+        cache.write(layer_idx, batch.slots, latent)
+        w_uk, w_uv = self._kv_b()
+        q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
+        q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
+        o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
+                                   self.softmax_scale)
+        out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
+        return self.o_proj(out.reshape(R, N, -1))
+
+
+# --------------------------------------------------------------------------------------------
+# layers and models
+# --------------------------------------------------------------------------------------------
+
+class KimiK2DecoderLayer(nn.Module):
+    def __init__(self, config: KimiK2Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = KimiK2Attention(config)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = KimiK2MoE(config)
+        else:
+            self.mlp = KimiK2MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = KimiK2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = KimiK2RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, layer_idx: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class KimiK2PreTrainedModel(PreTrainedModel):
+    config_class = KimiK2Config
+    base_model_prefix = "model"
+    _no_split_modules = ["KimiK2DecoderLayer"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, KimiK2RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KimiK2Router):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, KimiK2Experts) and not module.is_int4:
+            for p in (module.gate_proj, module.up_proj, module.down_proj):
+                p.normal_(0.0, std)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a local K2.x safetensors directory (bf16 or compressed-tensors INT4 experts,
+        K2.5/K2.6 wrappers included) by streaming it shard by shard; see ``checkpoint.py``."""
+        from .checkpoint import from_pretrained
+
+        return from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+
+@dataclass
+class KimiK2ModelOutput(ModelOutput):
+    """last_hidden_state: final-norm hidden states [R, T, H]; taps: outputs of the requested
+    layers concatenated in the requested order, [R, T, len(tap_layers) * H] (None if none)."""
+    last_hidden_state: torch.Tensor = None
+    taps: Optional[torch.Tensor] = None
+
+
+@dataclass
+class KimiK2CausalLMOutput(ModelOutput):
+    """logits [R, T, V_shard] (None with ``return_logits=False``), last_hidden_state and taps as
+    in :class:`KimiK2ModelOutput`."""
+    logits: Optional[torch.Tensor] = None
+    last_hidden_state: torch.Tensor = None
+    taps: Optional[torch.Tensor] = None
+
+
+class KimiK2Model(KimiK2PreTrainedModel):
+    def __init__(self, config: KimiK2Config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(KimiK2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = KimiK2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = KimiK2RotaryEmbedding(config)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
+                input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = ()) -> KimiK2ModelOutput:
+        """Run the decoder over ``input_ids`` [R, T].
+
+        Tree verify / decode (``visible`` bool [R, N, N] given; ``cache`` and ``positions``
+        [R, N] required, positions = committed length + depth): node i is written at
+        ``cache.lengths[r] + i`` and attends to the committed prefix and its visible nodes.
+        Padding nodes (token -1, seeing only themselves) are computed on token 0; their outputs
+        mean nothing.
+
+        Prefill (``visible`` None): causal over each request's committed prefix (with a cache)
+        and its new tokens; ``input_lengths`` int [R] marks right padding (default: all T
+        tokens), ``positions`` default to ``cache.lengths[r] + t`` (or ``t`` without a cache).
+        Eager only (it sizes the attention from the lengths).
+
+        ``tap_layers``: layer indices whose outputs (the residual stream after the layer) are
+        returned concatenated, in the given order (the DFlash drafter's context).
+        """
+        R, T = input_ids.shape
+        if visible is not None:
+            if cache is None or positions is None:
+                raise ValueError("KimiK2Model: a tree pass (visible given) needs a cache and positions "
+                                 "(committed length + depth)")
+            if tuple(visible.shape) != (R, T, T) or visible.dtype != torch.bool:
+                raise ValueError(f"KimiK2Model: visible must be bool [R, N, N] = {(R, T, T)}, got "
+                                 f"{visible.dtype} {tuple(visible.shape)}")
+            if cache.batch_size != R:
+                raise ValueError(f"KimiK2Model: cache holds {cache.batch_size} requests, input_ids has {R}")
+            cache.check_room(T)
+            batch = _Tree(cache, cache.slots(T), visible.contiguous())
+            input_ids = input_ids.clamp(min=0)  # ddtree_build pads with token -1; padding rows see only themselves
+        else:
+            batch, positions = self._prefill_batch(input_ids, positions, cache, input_lengths)
+        if tuple(positions.shape) != (R, T):
+            raise ValueError(f"KimiK2Model: positions must be [R, T] = {(R, T)}, got {tuple(positions.shape)}")
+        taps_at = {i: n for n, i in enumerate(tap_layers)}
+        if len(taps_at) != len(tap_layers) or any(not 0 <= i < len(self.layers) for i in taps_at):
+            raise ValueError(f"KimiK2Model: tap_layers must be distinct layer indices in [0, {len(self.layers)}), "
+                             f"got {list(tap_layers)}")
+        cos, sin = self.rotary_emb(positions)
+        h = self.embed_tokens(input_ids)
+        taps = [None] * len(tap_layers)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, i)
+            if i in taps_at:
+                taps[taps_at[i]] = h
+        return KimiK2ModelOutput(self.norm(h), torch.cat(taps, dim=-1) if taps else None)
+
+    def _prefill_batch(self, input_ids, positions, cache, input_lengths) -> tuple[_Prefill, torch.Tensor]:
+        R, T = input_ids.shape
+        device = input_ids.device
+        if input_lengths is None:
+            input_lengths = torch.full((R,), T, dtype=torch.long, device=device)
+        input_lengths = torch.as_tensor(input_lengths, device=device).long()
+        if input_lengths.shape != (R,) or (input_lengths < 0).any() or (input_lengths > T).any():
+            raise ValueError(f"KimiK2Model: input_lengths must be [R = {R}] values in [0, T = {T}]")
+        t = torch.arange(T, device=device)
+        valid = t[None, :] < input_lengths[:, None]  # [R, T]
+        if cache is None:
+            prefix = torch.zeros(R, dtype=torch.long, device=device)
+            slots = None
+        else:
+            if cache.batch_size != R:
+                raise ValueError(f"KimiK2Model: cache holds {cache.batch_size} requests, input_ids has {R}")
+            cache.check_room(input_lengths)
+            prefix = cache.lengths.long()
+            rows, cols = valid.nonzero(as_tuple=True)
+            slots = cache.slots_at(rows, prefix[rows] + cols)
+        if positions is None:
+            positions = prefix[:, None] + t[None, :]
+        total = prefix + input_lengths  # keys each request has after this pass
+        key_len = int(total.max()) if cache is not None else T
+        s = torch.arange(key_len, device=device)
+        query_at = prefix[:, None] + t[None, :]  # cache position of each new token
+        mask = (s[None, None, :] <= query_at[:, :, None]) & (s[None, None, :] < total[:, None, None])
+        mask[..., 0] |= ~mask.any(-1)  # a padding row of an empty request: any key, its output is unused
+        return _Prefill(cache, slots, valid if cache is not None else None, key_len, mask[:, None]), positions
+
+
+class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KimiK2Config):
+        super().__init__(config)
+        self.model = KimiK2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        # Our cache is the paged KimiK2Cache; transformers' generate() runs without one.
+        self.generation_config = GenerationConfig.from_model_config(config)
+        self.generation_config.use_cache = False
+
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
+                input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
+                return_logits: bool = True, attention_mask: Optional[torch.Tensor] = None,
+                return_dict: bool = True, use_cache: Optional[bool] = None) -> KimiK2CausalLMOutput:
+        """:meth:`KimiK2Model.forward` plus ``lm_head``.  ``return_logits=False`` skips the
+        full-vocabulary logits (``last_hidden_state`` is what ``lm_head`` would read), for
+        callers that do argmax / top-K themselves or shard the vocabulary.
+
+        ``attention_mask``, ``return_dict`` and ``use_cache`` exist for transformers'
+        ``generate()`` (which runs without a cache here); the mask must be all ones — pass
+        right-padded ``input_ids`` with ``input_lengths`` instead."""
+        if cache is not None and not isinstance(cache, KimiK2Cache):
+            raise TypeError(f"KimiK2ForCausalLM: cache must be a KimiK2Cache, got {type(cache).__name__}")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("KimiK2ForCausalLM: padded attention_mask is not supported; pass right-padded "
+                             "input_ids with input_lengths")
+        out = self.model(input_ids, positions, cache, visible, input_lengths=input_lengths, tap_layers=tap_layers)
+        logits = self.lm_head(out.last_hidden_state) if return_logits else None
+        return KimiK2CausalLMOutput(logits, out.last_hidden_state, out.taps)
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return {"input_ids": input_ids}
+
+
+__all__ = ["KimiK2PreTrainedModel", "KimiK2Model", "KimiK2ForCausalLM", "KimiK2CausalLMOutput", "KimiK2ModelOutput",
+           "KimiK2Attention", "KimiK2DecoderLayer", "KimiK2RMSNorm", "KimiK2RotaryEmbedding", "apply_rope",
+           "yarn_inv_freq", "LATENT_NORM_EPS"]

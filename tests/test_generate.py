@@ -1,0 +1,557 @@
+"""``KimiK2ForCausalLM.generate``: DDTree speculative decoding against autoregressive decoding.
+
+Tiny random targets in fp32 on the CPU (models/generation/tiny.py).  The sacred property:
+greedy DDTree output equals greedy autoregressive output token for token, whatever the drafter
+(random DFlash, DFlash loaded from its checkpoint, the perfect oracle, partial oracles whose
+accepted paths leave the spine), budget (1, B <= L, B > L, 256, auto), block size and batch.
+Sampling: the distribution of generated sequences equals the exact autoregressive one
+(enumerated), by a chi-square test at a stated false-alarm rate with fixed seeds.
+"""
+import functools
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import HAS_CUDA
+from torch_kdtree.models.dflash import DFlashDraftModel
+from torch_kdtree.models.generation import BudgetPlanner, OracleDrafter, process_logits
+from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
+from torch_kdtree.ops import ddtree_build, tree_accept
+
+requires_mla_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_tree_attention", "CUDA")),
+    reason="needs a CUDA device and the kdtree::mla_tree_attention CUDA kernel")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """One CPU thread: these matrices are tiny, extra threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def target(seed: int, **overrides):
+    return tiny_target(seed, **overrides)
+
+
+def prompts(R: int, seed: int, vocab: int = 128, lo: int = 3, hi: int = 9, left: bool = True):
+    """R prompts of random lengths in [lo, hi], padded (left by default) with 0; and the mask."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    lengths = torch.randint(lo, hi + 1, (R,), generator=g)
+    T = int(lengths.max())
+    ids = torch.zeros(R, T, dtype=torch.long)
+    mask = torch.zeros(R, T, dtype=torch.long)
+    for r, n in enumerate(lengths.tolist()):
+        cols = slice(T - n, T) if left else slice(0, n)
+        ids[r, cols] = torch.randint(3, vocab, (n,), generator=g)
+        mask[r, cols] = 1
+    return ids, mask
+
+
+@functools.lru_cache(maxsize=None)
+def autoregressive(seed: int, R: int, max_new: int) -> torch.Tensor:
+    ids, mask = prompts(R, seed)
+    return target(seed).generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=None)
+
+
+def make_drafter(kind: str, model, seed: int, block_size: int, tmp_path_factory=None):
+    if kind == "random_dflash":
+        return tiny_drafter(model, seed=seed, block_size=block_size)
+    if kind == "dflash_checkpoint":  # the real module through its public checkpoint format
+        path = tmp_path_factory.mktemp("dflash")
+        tiny_drafter(model, seed=seed, block_size=block_size, num_hidden_layers=2).save_pretrained(path)
+        return DFlashDraftModel.from_pretrained(path)
+    if kind == "oracle":
+        return OracleDrafter(model, block_size, accuracy=1.0, seed=seed)
+    if kind == "oracle_80":
+        return OracleDrafter(model, block_size, accuracy=0.8, second_choice=0.5, seed=seed)
+    if kind == "oracle_60_inner":
+        return OracleDrafter(model, accuracy=0.6, seed=seed, inner=tiny_drafter(model, seed=seed, block_size=block_size))
+    if kind == "oracle_off_spine":  # the top choice always wrong, the true token second: sibling paths only
+        return OracleDrafter(model, block_size, accuracy=0.0, second_choice=1.0, seed=seed)
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------------------------
+# greedy: DDTree == autoregressive
+# --------------------------------------------------------------------------------------------
+
+def test_autoregressive_generate_equals_an_argmax_loop_without_cache():
+    model = target(0)
+    ids, mask = prompts(2, 0, lo=5, hi=5)
+    out = model.generate(ids, max_new_tokens=6, eos_token_id=None, speculative=None)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+SACRED = [  # drafter, budget, block size, R, seed   (L = block size - 1)
+    ("random_dflash", 1, 4, 1, 0),
+    ("random_dflash", 2, 4, 2, 1),  # B <= L
+    ("random_dflash", 7, 4, 3, 2),  # B > L
+    ("random_dflash", 256, 4, 1, 3),
+    ("dflash_checkpoint", 5, 3, 2, 4),
+    ("dflash_checkpoint", "auto", 4, 2, 5),
+    ("oracle", 1, 4, 2, 6),
+    ("oracle", 2, 5, 1, 7),
+    ("oracle", 8, 6, 3, 8),
+    ("oracle", 256, 4, 2, 9),
+    ("oracle_80", 3, 4, 2, 10),
+    ("oracle_80", 12, 5, 3, 11),
+    ("oracle_80", "auto", 4, 2, 12),
+    ("oracle_60_inner", 16, 4, 2, 13),
+    ("oracle_60_inner", 256, 3, 1, 14),
+    ("oracle_off_spine", 14, 4, 2, 15),
+]
+
+
+@pytest.mark.parametrize("kind,budget,block_size,R,seed", SACRED)
+def test_greedy_ddtree_equals_autoregressive(kind, budget, block_size, R, seed, tmp_path_factory):
+    model = target(seed)
+    max_new = 8 if budget == 256 else 14
+    ids, mask = prompts(R, seed)
+    drafter = make_drafter(kind, model, seed, block_size, tmp_path_factory)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=None, drafter=drafter,
+                         tree_budget=budget, return_dict_in_generate=True)
+    assert out.sequences.shape == (R, ids.shape[1] + max_new)
+    assert torch.equal(out.sequences, autoregressive(seed, R, max_new))
+    L = block_size - 1
+    if kind == "oracle":  # the greedy chain is the spine: every step accepts min(B, L) + 1
+        assert (out.accept_lengths[out.accept_lengths > 0] == min(budget, L) + 1).all(), out.accept_lengths
+    if kind == "oracle_off_spine":  # B = 2 + 4 + 8 covers the binary tree to depth L = 3
+        assert (out.accept_lengths[out.accept_lengths > 0] == L + 1).all(), out.accept_lengths
+
+
+@pytest.mark.parametrize("seed", range(20, 28))
+def test_greedy_ddtree_equals_autoregressive_over_seeds(seed):
+    model = target(seed)
+    ids, mask = prompts(2, seed)
+    drafter = make_drafter("oracle_80", model, seed, 4)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=14, eos_token_id=None, drafter=drafter,
+                         tree_budget=6, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, autoregressive(seed, 2, 14))
+    assert out.mean_accept_length > 1.5  # drafts were accepted: the commit really moved entries
+
+
+def test_oracle_accuracy_controls_acceptance():
+    model = target(30)
+    ids, mask = prompts(1, 30)
+    means = []
+    drafter = OracleDrafter(model, 5, second_choice=0.0, seed=1)
+    for accuracy in (0.0, 0.5, 1.0):
+        drafter.set_accuracy(accuracy)  # in place: the captured session is reused
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, drafter=drafter,
+                             tree_budget=4, return_dict_in_generate=True)
+        means.append(out.mean_accept_length)
+    assert means[0] == 1.0 and means[2] == 5.0 and 1.0 < means[1] < 5.0, means
+    assert len(model.__dict__["_ddtree_sessions"]) == 1
+
+
+def test_step_compiles_as_one_graph_and_equals_eager():
+    """The whole step (drafter, top-K, build, verify, sampling, accept, commit, outputs) traces
+    with fullgraph=True; through AOT autograd it gives the eager tokens."""
+    from torch_kdtree.models.generation import GenerationSession
+
+    model = target(31)
+    ids, mask = prompts(2, 31, left=False)
+    outs = []
+    for compile_step in (False, "aot_eager"):
+        torch._dynamo.reset()
+        drafter = make_drafter("oracle_60_inner", model, 2, 4)
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=16, budgets=(0, 5),
+                                    compile_step=compile_step)
+        session.prefill(ids, mask.sum(1), max_new=12, eos=[])
+        for i in range(6):
+            session.step(0 if i == 2 else 5)  # an autoregressive step in between
+        outs.append(session.tokens())
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+
+
+@pytest.mark.parametrize("speculative", [None, "ddtree"])
+def test_batch_of_different_prompt_lengths_equals_single_runs(speculative):
+    model = target(40)
+    ids, mask = prompts(3, 40, lo=2, hi=10)
+    right_ids, right_mask = prompts(3, 40, lo=2, hi=10, left=False)
+
+    def run(i, m):
+        drafter = make_drafter("oracle_80", model, 3, 4) if speculative else None
+        out = model.generate(i, attention_mask=m, max_new_tokens=12, eos_token_id=None, drafter=drafter, tree_budget=6)
+        return out[:, i.shape[1]:]
+
+    batched = run(ids, mask)
+    assert torch.equal(run(right_ids, right_mask), batched)  # right padding: the same continuations
+    for r in range(3):
+        alone = ids[r, mask[r].bool()][None]
+        assert torch.equal(run(alone, None)[0], batched[r]), r
+
+
+def test_eos_and_max_new_tokens_stop_where_autoregressive_stops():
+    seed, R = 50, 3
+    model = target(seed)
+    ids, mask = prompts(R, seed)
+    T = ids.shape[1]
+    full = autoregressive(seed, R, 16)[:, T:]
+    # an EOS that request 0 first emits a few tokens in; the others end elsewhere or not at all
+    k = next(k for k in range(3, 16) if int(full[0, k]) not in full[0, :k].tolist())
+    eos = int(full[0, k])
+    ends = []
+    for r in range(R):
+        hits = (full[r] == eos).nonzero()
+        ends.append(int(hits[0, 0]) + 1 if hits.numel() else 16)
+    expected = torch.zeros(R, max(ends), dtype=torch.long)  # pad_token_id 0 after each end
+    for r, n in enumerate(ends):
+        expected[r, :n] = full[r, :n]
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ar[:, T:], expected)
+    for budget, block in ((8, 6), (3, 4)):  # perfect drafts: EOS sits inside a multi-token step
+        drafter = make_drafter("oracle", model, seed, block)
+        dd = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[eos, 127], pad_token_id=0,
+                            drafter=drafter, tree_budget=budget)
+        assert torch.equal(dd, ar), (budget, block)
+    drafter = make_drafter("oracle", model, seed, 6)
+    for n in (1, 2, 5, 7):  # steps of 6 tokens overshoot: truncated to n
+        dd = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, drafter=drafter,
+                            tree_budget=8)
+        assert torch.equal(dd[:, T:], full[:, :n]), n
+
+
+# --------------------------------------------------------------------------------------------
+# sampling: sample-and-walk is lossless
+# --------------------------------------------------------------------------------------------
+
+def test_logits_processing_matches_transformers_warpers():
+    g = torch.Generator().manual_seed(60)
+    logits = torch.randn(3, 5, 50, generator=g) * 3
+    for temperature, top_k, top_p in ((1.0, 50, 1.0), (0.7, 10, 1.0), (1.3, 50, 0.8), (0.5, 7, 0.6), (1.0, 1, 0.3)):
+        ours = process_logits(logits, torch.full((3,), temperature), torch.full((3,), top_k),
+                              torch.full((3,), top_p))
+        theirs = logits.view(15, 50)
+        if temperature != 1.0:
+            theirs = TemperatureLogitsWarper(temperature)(None, theirs)
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+        if top_p < 1.0:
+            theirs = TopPLogitsWarper(top_p)(None, theirs)
+        assert torch.equal(ours.view(15, 50), theirs), (temperature, top_k, top_p)
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probabilities; cells expecting < 5 merged into one."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, top_k, top_p) -> torch.Tensor:
+    """P(t_1 .. t_steps | prompt) for every sequence over the vocabulary, by enumeration."""
+    V = model.config.vocab_size
+    probs = torch.ones(1)
+    prefixes = prompt[None]
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(prefixes).logits[:, -1:]
+            n = prefixes.shape[0]
+            p = process_logits(logits, torch.full((n,), float(temperature)), torch.full((n,), top_k),
+                               torch.full((n,), float(top_p))).softmax(-1)[:, 0]
+            probs = (probs[:, None] * p).reshape(-1)
+            prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(n)[:, None]], dim=1)
+    return probs
+
+
+@pytest.mark.parametrize("speculative,temperature,top_k,top_p", [
+    (None, 1.0, 0, 1.0),  # validates the harness: plain autoregressive sampling
+    ("ddtree", 1.0, 0, 1.0),
+    ("ddtree", 0.7, 2, 0.9),  # temperature, top-k and top-p on every node
+])
+def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p):
+    """The first three generated tokens over a 3-token vocabulary (27 sequences): n = 1200
+    requests in one batch against the enumerated autoregressive distribution, Pearson's
+    chi-square; false-alarm rate 1e-3 per case (fixed seeds, so the outcome is deterministic).
+    With DDTree (random drafter, B = 6, K = V) most first steps walk below the root, so tokens
+    2 and 3 come from one tree."""
+    model = target(70, vocab_size=3, bos_token_id=1, eos_token_id=2)
+    prompt = torch.tensor([1, 0, 2, 1, 1])
+    probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p)
+    n = 1200
+    drafter = tiny_drafter(model, seed=71, block_size=4) if speculative else None
+    torch.manual_seed(72)
+    out = model.generate(prompt.repeat(n, 1), max_new_tokens=3, eos_token_id=None, do_sample=True,
+                         temperature=temperature, top_k=top_k, top_p=top_p, drafter=drafter, tree_budget=6,
+                         page_size=16, return_dict_in_generate=True)
+    gen = out.sequences[:, prompt.numel():]
+    counts = torch.bincount((gen * torch.tensor([9, 3, 1])).sum(1), minlength=27)
+    if speculative:
+        walked = (out.accept_lengths[:, 0] >= 2).float().mean().item()
+        assert walked > 0.5, walked  # sample-and-walk really emitted several samples from one tree
+    assert (counts[probs == 0] == 0).all()  # nothing outside the top-k / top-p support
+    assert _chi_square_p_value(counts, probs) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# the budget cost model
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counterfactual_accept_length_equals_the_smaller_budgets_walk(seed):
+    """A step at budget B says exactly what any b <= B would have accepted: the accepted path's
+    nodes with index <= b (budget.py).  Checked against building and walking the b-tree."""
+    g = torch.Generator().manual_seed(seed)
+    R, L, V, B = 3, 5, 6, 40
+    logits = torch.randn(R, L, V, generator=g) * 2
+    lp, ids = torch.log_softmax(logits, -1).sort(-1, descending=True)
+    root = torch.randint(0, V, (R,), generator=g)
+    table = torch.randint(0, V, (V,) * (L + 1), generator=g)  # the "target": next token of each path
+
+    def post_of(tree):
+        path = tree.tokens.new_zeros(R, tree.tokens.shape[1], L + 1)
+        for r in range(R):
+            for i in range(tree.tokens.shape[1]):
+                node, chain = i, []
+                while node >= 0:
+                    chain.append(int(tree.tokens[r, node]))
+                    node = int(tree.parents[r, node])
+                chain = chain[::-1] if tree.tokens[r, i] >= 0 else [0]
+                path[r, i, : len(chain)] = torch.tensor(chain)
+        return table[tuple(path.unbind(-1))]
+
+    big = ddtree_build(lp.contiguous(), ids.contiguous(), root, B)
+    acc_big = tree_accept(big.tokens, big.parents, post_of(big))
+    for b in (1, 3, 8, 17, B):
+        small = ddtree_build(lp[..., :b].contiguous(), ids[..., :b].contiguous(), root, b)
+        acc = tree_accept(small.tokens, small.parents, post_of(small))
+        within = ((acc_big.indices >= 0) & (acc_big.indices <= b)).sum(1)
+        assert torch.equal(within.int(), acc.lengths), b
+
+
+def test_planner_explores_then_picks_most_tokens_per_second():
+    planner = BudgetPlanner((0, 4, 16), {0: 1.0, 4: 2.0, 16: 4.0}, explore_every=3, decay=0.0)
+    assert planner.current == 16  # first segment: the largest budget tells a(b) for every b
+    planner.observe(16, {4: (30.0, 10.0), 16: (50.0, 10.0)}, 4.0)  # a(4) = 3, a(16) = 5
+    assert planner.current == 4  # 3 / 2 > 5 / 4 > 1 / 1
+    planner.observe(4, {4: (10.0, 10.0)}, 2.0)  # the drafts got worse: a(4) = 1
+    assert planner.current == 16  # the stale a(16): 5 / 4 > 1 / 1 > 1 / 2
+    planner.observe(16, {4: (10.0, 10.0), 16: (12.0, 10.0)}, 4.0)  # a(16) = 1.2
+    assert planner.current == 16  # the third segment explores whatever the rates say
+    planner.observe(16, {4: (10.0, 10.0), 16: (12.0, 10.0)}, 3.0)
+    assert planner.current == 0  # 1 / 1 > 1.2 / 3 > 1 / 2
+    assert planner.seconds[16] == 3.0  # step times follow the measurements
+
+
+# --------------------------------------------------------------------------------------------
+# transformers-facing behaviour
+# --------------------------------------------------------------------------------------------
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_the_prompt_then_every_generated_token():
+    model = target(80)
+    ids, _ = prompts(1, 80)
+    streamer = Collect()
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=None, drafter=make_drafter("oracle", model, 0, 4),
+                         tree_budget=4, streamer=streamer, sync_every=2)
+    assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+    assert len(streamer.chunks) > 3  # tokens arrived as generation went, not at the end
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(prompts(2, 80)[0], max_new_tokens=2, streamer=Collect())
+
+
+def test_generation_config_fields_and_refusals():
+    model = target(81)
+    ids, _ = prompts(1, 81, lo=4, hi=4)
+    assert model.generate(ids, max_length=10, eos_token_id=None).shape == (1, 10)
+    assert torch.equal(model.generate(ids, max_length=4), ids)  # nothing left to generate
+    with pytest.raises(NotImplementedError, match="num_beams"):
+        model.generate(ids, max_new_tokens=2, num_beams=2)
+    with pytest.raises(NotImplementedError, match="repetition_penalty"):
+        model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
+    with pytest.raises(TypeError, match="unexpected"):
+        model.generate(ids, max_new_tokens=2, not_a_field=1)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        model.generate(ids, max_new_tokens=2, speculative="ddtree")
+    with pytest.raises(ValueError, match="tree_budget"):
+        model.generate(ids, max_new_tokens=2, drafter=make_drafter("oracle", model, 0, 4), tree_budget=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        model.generate(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 0, 1, 1]]),
+                       max_new_tokens=2)
+
+
+def test_profile_mode_reports_accept_lengths_and_phase_times():
+    model = target(82)
+    ids, mask = prompts(2, 82)
+    drafter = make_drafter("oracle_80", model, 1, 4)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, drafter=drafter,
+                           tree_budget=5, return_dict_in_generate=True)
+    prof = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, drafter=drafter,
+                          tree_budget=5, profile=True, return_dict_in_generate=True)
+    assert torch.equal(prof.sequences, plain.sequences)
+    assert [row["accept"] for row in prof.profile] == prof.accept_lengths.T.tolist()
+    for row in prof.profile:
+        for phase in ("draft", "topk", "build", "verify", "accept", "commit"):
+            assert row[f"{phase}_ms"] > 0, (phase, row)
+        assert row["total_ms"] >= row["verify_ms"]
+
+
+def test_second_call_reuses_the_session():
+    model = target(83)
+    ids, mask = prompts(2, 83)
+    drafter = make_drafter("random_dflash", model, 2, 4)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, drafter=drafter, tree_budget=3)
+    (session,) = model.__dict__["_ddtree_sessions"].values()
+    second = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, drafter=drafter,
+                            tree_budget=3)
+    assert list(model.__dict__["_ddtree_sessions"].values()) == [session] and torch.equal(first, second)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: bf16, CUDA graphs, no host synchronisation inside a step
+# --------------------------------------------------------------------------------------------
+
+GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the MLA kernel's smallest head count
+
+
+def gpu_target(seed: int):
+    return tiny_target(seed, **GPU_HEADS).to("cuda", torch.bfloat16)
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor):
+    diff = (a != b).nonzero()
+    return None if diff.numel() == 0 else tuple(diff[0].tolist())
+
+
+def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
+    """got == want token for token, except that a request may diverge where, at the first
+    differing position, the two tokens' logits (bf16 prefill of the common prefix) tie within
+    4 bf16 ulps: tree and single-token passes round differently in bf16.  Prints each case."""
+    T = ids.shape[1]
+    for r in range(ids.shape[0]):
+        where = _first_difference(got[r], want[r])
+        if where is None:
+            continue
+        t = where[0]
+        prefix = torch.cat([ids[r][mask[r].bool()], want[r, T:t]])
+        with torch.no_grad():
+            logits = model(prefix[None]).logits[0, -1].float()
+        gap = (logits[want[r, t]] - logits[got[r, t]]).abs().item()
+        ulp = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+        assert gap <= 4 * ulp, f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp})"
+        print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
+
+
+@requires_mla_cuda
+@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16), ("oracle", 32), ("oracle_80", "auto")])
+def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget):
+    """The same kernels in bf16, CUDA graphs: DDTree output equals autoregressive output (up to
+    bf16 ties, see the helper)."""
+    model = gpu_target(90)
+    ids, mask = prompts(3, 90)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter(kind, model, 91, 6)
+    if not isinstance(drafter, OracleDrafter):
+        drafter = drafter.to("cuda", torch.bfloat16)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
+                        tree_budget=budget)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+
+
+@requires_mla_cuda
+def test_cuda_compiled_step_in_graphs_equals_autoregressive():
+    model = gpu_target(98)
+    ids, mask = prompts(2, 98)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter("oracle_80", model, 99, 5)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, compile_step=True)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, drafter=drafter,
+                        tree_budget=8, compile_step=True)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+
+
+@requires_mla_cuda
+def test_cuda_steps_replay_captured_graphs_without_running_python():
+    model = gpu_target(92)
+    ids, mask = prompts(2, 92)
+    drafter = make_drafter("random_dflash", model, 93, 4).to("cuda", torch.bfloat16)
+    model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, eos_token_id=None, drafter=drafter,
+                   tree_budget=8)  # builds and captures the session (the same shapes as below)
+    replays, forwards = 0, 0
+    replay, forward = torch.cuda.CUDAGraph.replay, type(model).forward
+
+    def counting_replay(self):
+        nonlocal replays
+        replays += 1
+        return replay(self)
+
+    def counting_forward(self, *args, **kwargs):
+        nonlocal forwards
+        forwards += 1
+        return forward(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda.CUDAGraph, "replay", counting_replay)
+        mp.setattr(type(model), "forward", counting_forward)
+        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=24, eos_token_id=None,
+                             drafter=drafter, tree_budget=8, return_dict_in_generate=True)
+    steps = len(out.budgets)
+    assert replays >= steps >= 3
+    assert forwards == 1  # the prefill; every step ran as a graph replay
+    (session,) = model.__dict__["_ddtree_sessions"].values()
+    assert set(session.graphs) == {8} and all(isinstance(g, torch.cuda.CUDAGraph) for g in session.graphs.values())
+
+
+@requires_mla_cuda
+@pytest.mark.parametrize("budget", [0, 16])
+def test_cuda_no_host_sync_inside_steps(budget):
+    from torch_kdtree.models.generation import GenerationSession, SamplingMode
+
+    model = gpu_target(94)
+    drafter = make_drafter("oracle_80", model, 95, 5) if budget else None
+    session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=64, budgets=(budget,),
+                                mode=SamplingMode(do_sample=True))
+    ids, mask = prompts(2, 94, left=False)
+    session.prefill(ids, mask.sum(1), max_new=64, eos=[2], sampling=(0.8, 0, 1.0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            session.step(budget)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(session.out_len.min()) > 1
+
+
+@requires_mla_cuda
+def test_cuda_sampling_in_graphs_draws_fresh_noise_every_replay():
+    model = gpu_target(96)
+    drafter = make_drafter("random_dflash", model, 97, 4).to("cuda", torch.bfloat16)
+    prompt = torch.tensor([[5, 9, 17, 3]], device="cuda").repeat(16, 1)
+    torch.manual_seed(0)
+    a = model.generate(prompt, max_new_tokens=12, do_sample=True, eos_token_id=None, drafter=drafter, tree_budget=8)
+    b = model.generate(prompt, max_new_tokens=12, do_sample=True, eos_token_id=None, drafter=drafter, tree_budget=8)
+    assert len({tuple(row) for row in a[:, 4:].tolist()}) > 1  # requests differ within a batch
+    assert not torch.equal(a, b)  # and between calls
+    assert ((a >= 0) & (a < model.config.vocab_size)).all()

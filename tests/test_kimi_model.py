@@ -1,0 +1,649 @@
+"""Kimi K2 model: config reading, parity with transformers' DeepseekV3ForCausalLM, the absorbed
+decode / tree-verify path through the paged latent cache, INT4 experts, compile and CUDA graphs.
+
+Small K2-shaped configs in fp32 on CPU (kv_lora_rank 512 and qk_rope_head_dim 64 as in K2,
+since the cache row of ``mla_tree_attention`` is 576 wide; everything else scaled down).
+"""
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from conftest import HAS_CUDA
+from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
+from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts
+from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
+
+VOCAB = 128
+# The GPU decode path runs mla_tree_attention's CUDA kernel (branch mla); without it there is nothing to capture.
+requires_mla_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_tree_attention", "CUDA")),
+    reason="needs a CUDA device and the kdtree::mla_tree_attention CUDA kernel")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _inference_single_thread():
+    """No autograd; one CPU thread (these matrices are tiny: extra threads only add contention)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    torch.set_num_threads(threads)
+
+
+def k2_config_dict(**overrides) -> dict:
+    """A K2 config.json as shipped (auto_map to remote code included), scaled down."""
+    d = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                     "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        "model_type": "kimi_k2", "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
+        "bos_token_id": 1, "eos_token_id": 2, "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu",
+        "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "kv_lora_rank": 512,
+        "max_position_embeddings": 262144, "moe_intermediate_size": 64, "moe_layer_freq": 1, "n_group": 1,
+        "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 4, "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1, "q_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+        "use_cache": True, "v_head_dim": 32, "vocab_size": VOCAB,
+    }
+    d.update(overrides)
+    return d
+
+
+INT4_QUANTIZATION = {
+    "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                                  "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                                              "group_size": 32, "num_bits": 4, "observer": "minmax",
+                                              "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                                              "type": "int"}}},
+    "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+INT4_SIZES = {"hidden_size": 128}  # int4_moe tiles: H a multiple of 128, I of 64
+
+
+def make_model(seed: int = 0, **overrides) -> KimiK2ForCausalLM:
+    torch.manual_seed(seed)
+    model = KimiK2ForCausalLM(KimiK2Config.from_dict(k2_config_dict(**overrides))).float().eval()
+    with torch.no_grad():  # a non-zero routing bias, so selection really uses it
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
+def transformers_twin(model: KimiK2ForCausalLM, config_dict: dict) -> DeepseekV3ForCausalLM:
+    """transformers' own DeepseekV3ForCausalLM holding the same weights (fused gate_up experts)."""
+    d = {k: v for k, v in config_dict.items() if k not in ("model_type", "auto_map")}
+    config = DeepseekV3Config(**d)
+    config._attn_implementation = "eager"
+    twin = DeepseekV3ForCausalLM(config).float().eval()
+    state = model.state_dict()
+    theirs = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_proj"):
+            theirs[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, state[name[:-9] + "up_proj"]], dim=1)
+        elif not name.endswith("experts.up_proj"):
+            theirs[name] = t
+    missing, unexpected = twin.load_state_dict(theirs, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return twin
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def decode_one_by_one(model, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Absorbed decode of tokens [R, T], one step per token, committing each; logits [R, T, V]."""
+    R, T = tokens.shape
+    visible = torch.ones(R, 1, 1, dtype=torch.bool)
+    out = []
+    for t in range(T):
+        out.append(model(tokens[:, t : t + 1], cache.lengths.long()[:, None], cache, visible).logits)
+        cache.advance(1)
+    return torch.cat(out, dim=1)
+
+
+def prefilled_cache(model, prompts: list[torch.Tensor], max_tokens: int = 64, page_size: int = 4) -> KimiK2Cache:
+    """A cache holding each prompt committed (right-padded prefill with input_lengths), its pages
+    handed out in a shuffled order so the block table really matters."""
+    cache = KimiK2Cache.for_model(model, len(prompts), max_tokens, page_size=page_size, dtype=torch.float32)
+    shuffled = torch.randperm(cache.kv.shape[1], generator=torch.Generator().manual_seed(len(prompts)))
+    cache.block_table.copy_(shuffled.view_as(cache.block_table))
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = p
+    with torch.no_grad():
+        model(ids, cache=cache, input_lengths=lengths, return_logits=False)
+    cache.advance(lengths)
+    return cache
+
+
+# --------------------------------------------------------------------------------------------
+# configuration and registration
+# --------------------------------------------------------------------------------------------
+
+def test_config_reads_shipped_k2_config_and_yarn_softmax_scale():
+    k2_dims = {"hidden_size": 7168, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    c = KimiK2Config.from_dict(k2_config_dict(**k2_dims, quantization_config=INT4_QUANTIZATION))
+    assert c.model_type == "kimi_k2"
+    rope = c.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 64.0 and rope["rope_theta"] == 50000.0
+    assert rope["original_max_position_embeddings"] == 4096 and rope["beta_fast"] == 32.0
+    assert c.softmax_scale == pytest.approx(0.144680, abs=1e-6)  # kimi_k2.md, factor 64
+    factor32 = k2_config_dict(**k2_dims, rope_scaling={**k2_config_dict()["rope_scaling"], "factor": 32.0})
+    assert KimiK2Config.from_dict(factor32).softmax_scale == pytest.approx(0.130861, abs=1e-6)
+    assert c.quantization_config == INT4_QUANTIZATION and isinstance(c.quantization_config, dict)
+    assert c.topk_method == "noaux_tc" and c.scoring_func == "sigmoid" and c.tensor_prefix == ""
+    assert c.rms_norm_eps == 1e-6 and c.routed_scaling_factor == 2.827 and c.rope_interleave is True
+    # deepseek_v3 as model_type, rope_parameters as written by transformers 5, a save round trip
+    d = k2_config_dict(model_type="deepseek_v3")
+    d["rope_parameters"] = {**d.pop("rope_scaling"), "rope_type": "yarn", "rope_theta": 50000.0}
+    assert KimiK2Config.from_dict(d).rope_parameters["factor"] == 64.0
+    again = KimiK2Config.from_dict(c.to_dict())
+    assert again.rope_parameters["factor"] == 64.0 and again.softmax_scale == c.softmax_scale
+
+
+def test_config_reads_k25_wrapper_text_core():
+    text = k2_config_dict(rms_norm_eps=1e-5, quantization_config=INT4_QUANTIZATION)
+    text.pop("auto_map")
+    text["rope_scaling"] = {**text["rope_scaling"], "type": "deepseek_yarn"}
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": text, "vision_config": {"hidden_size": 1152}, "tie_word_embeddings": False}
+    c = KimiK2Config.from_dict(wrapper)
+    assert c.tensor_prefix == "language_model."
+    assert c.rms_norm_eps == 1e-5 and c.quantization_config == INT4_QUANTIZATION
+    assert c.rope_parameters["rope_type"] == "yarn" and c.hidden_size == 64
+    assert "tensor_prefix" not in c.to_dict()
+
+
+def test_config_refuses_math_it_does_not_implement():
+    with pytest.raises(ValueError, match="topk_method='greedy'"):
+        KimiK2Config.from_dict(k2_config_dict(topk_method="greedy"))
+    with pytest.raises(ValueError, match="scoring_func='softmax'"):
+        KimiK2Config.from_dict(k2_config_dict(scoring_func="softmax"))
+    with pytest.raises(ValueError, match="moe_layer_freq=2"):
+        KimiK2Config.from_dict(k2_config_dict(moe_layer_freq=2))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        KimiK2Config.from_dict(k2_config_dict(hidden_act="gelu"))
+
+
+def test_auto_classes_pick_ours_without_trust_remote_code(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(k2_config_dict()))  # carries auto_map to remote code
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert type(config) is KimiK2Config
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is KimiK2ForCausalLM
+
+
+# --------------------------------------------------------------------------------------------
+# parity with transformers
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4},  # group-limited routing
+    {"q_lora_rank": None, "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                           "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+], ids=["k2", "group_limited", "q_proj_factor32"])
+def test_prefill_logits_match_transformers_deepseek_v3(overrides):
+    model = make_model(1, **overrides)
+    twin = transformers_twin(model, k2_config_dict(**overrides))
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(13)[None].expand(2, -1) + torch.tensor([[0], [3000]])  # YaRN ramp + long positions
+    with torch.no_grad():
+        ours = model(ids, positions).logits
+        theirs = twin(ids, position_ids=positions).logits
+    assert rel_err(ours, theirs) <= 1e-4
+
+
+def test_taps_are_the_outputs_of_the_chosen_layers():
+    model = make_model(3)
+    twin = transformers_twin(model, k2_config_dict())
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model(ids, tap_layers=(1, 0, 2), return_logits=False)
+        theirs = twin(ids, output_hidden_states=True).hidden_states  # embeddings, layers 0, 1, final norm
+        logits = model(ids).logits
+    H = 64
+    assert out.logits is None and out.taps.shape == (1, 9, 3 * H)
+    assert rel_err(out.taps[..., :H], theirs[2]) <= 1e-5  # tap order is the requested order
+    assert rel_err(out.taps[..., H : 2 * H], theirs[1]) <= 1e-5
+    assert rel_err(model.model.norm(out.taps[..., 2 * H :]), theirs[3]) <= 1e-5  # last layer, before the norm
+    assert rel_err(model.lm_head(out.last_hidden_state), logits) <= 1e-6
+
+
+def test_transformers_generate_greedy_equals_an_argmax_loop():
+    model = make_model(26)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(27))
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    seq = ids
+    for _ in range(4):
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, seq)
+
+
+# --------------------------------------------------------------------------------------------
+# the cache: prefill, absorbed decode, tree verify
+# --------------------------------------------------------------------------------------------
+
+def test_prefill_of_ragged_prompts_equals_each_prompt_alone():
+    model = make_model(5)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (7, 3, 10)]
+    cache = KimiK2Cache.for_model(model, 3, 32, page_size=4, dtype=torch.float32)
+    ids = torch.zeros(3, 10, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = p
+    with torch.no_grad():
+        batched = model(ids, cache=cache, input_lengths=torch.tensor([7, 3, 10])).logits
+        for r, p in enumerate(prompts):
+            alone = model(p[None]).logits[0]
+            assert rel_err(batched[r, : len(p)], alone) <= 1e-5
+
+
+def test_absorbed_decode_reproduces_prefill_logits_at_every_position():
+    model = make_model(7)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(8))
+    cache = KimiK2Cache.for_model(model, 2, 16, page_size=3, dtype=torch.float32)
+    with torch.no_grad():
+        full = model(ids).logits
+        decoded = decode_one_by_one(model, cache, ids)
+    assert rel_err(decoded, full) <= 1e-5
+    assert cache.lengths.tolist() == [12, 12]
+
+
+def test_prefill_continues_after_ragged_committed_prefixes():
+    model = make_model(9)
+    g = torch.Generator().manual_seed(10)
+    heads = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 2)]
+    tails = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    cache = prefilled_cache(model, heads, page_size=3)
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    for r, t in enumerate(tails):
+        ids[r, : len(t)] = t
+    logits = model(ids, cache=cache, input_lengths=torch.tensor([4, 7])).logits
+    for r in range(2):
+        alone = model(torch.cat([heads[r], tails[r]])[None]).logits[0, len(heads[r]):]
+        assert rel_err(logits[r, : len(tails[r])], alone) <= 1e-5
+
+
+def test_tree_pass_over_a_chain_equals_decoding_one_by_one():
+    model = make_model(11)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 9)]
+    chain = torch.randint(0, VOCAB, (2, 6), generator=g)
+    tree_cache, seq_cache = prefilled_cache(model, prompts), prefilled_cache(model, prompts)
+    N = chain.shape[1]
+    visible = torch.tril(torch.ones(N, N, dtype=torch.bool)).expand(2, N, N)
+    positions = tree_cache.lengths.long()[:, None] + torch.arange(N)
+    with torch.no_grad():
+        tree = model(chain, positions, tree_cache, visible).logits
+        sequential = decode_one_by_one(model, seq_cache, chain)
+    assert rel_err(tree, sequential) <= 1e-5
+    assert tree_cache.lengths.tolist() == [5, 9]  # a tree pass commits nothing
+
+
+def test_branching_tree_equals_decoding_each_root_to_leaf_path():
+    model = make_model(13)
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 4)]
+    R, L, K, budget = 2, 3, 3, 9
+    logprobs = torch.randn(R, L, K, generator=g).log_softmax(-1).sort(dim=-1, descending=True).values
+    token_ids = torch.randint(0, VOCAB, (R, L, K), generator=g)
+    tree = ddtree_build(logprobs, token_ids, torch.randint(0, VOCAB, (R,), generator=g), budget)
+    cache = prefilled_cache(model, prompts)
+    positions = cache.lengths.long()[:, None] + tree.depths.long()
+    with torch.no_grad():
+        logits = model(tree.tokens, positions, cache, tree.visible).logits
+    parents = tree.parents.tolist()
+    for r in range(R):
+        leaves = [i for i in range(budget + 1) if i not in parents[r]]
+        assert len(leaves) > 1  # really a branching tree
+        for leaf in leaves:
+            path = [leaf]
+            while parents[r][path[-1]] >= 0:
+                path.append(parents[r][path[-1]])
+            path.reverse()
+            alone = prefilled_cache(model, [prompts[r]])
+            with torch.no_grad():
+                expected = decode_one_by_one(model, alone, tree.tokens[r, path][None])[0]
+            assert rel_err(logits[r, path], expected) <= 1e-5, (r, path)
+
+
+def test_tree_padding_nodes_leave_the_real_nodes_unchanged():
+    model = make_model(28)
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7)]
+    logprobs = torch.randn(2, 1, 2, generator=g).log_softmax(-1).sort(dim=-1, descending=True).values
+    tree = ddtree_build(logprobs, torch.randint(0, VOCAB, (2, 1, 2), generator=g), torch.tensor([3, 5]), 4)
+    assert (tree.tokens[:, 3:] == -1).all()  # only root + 2 children exist: two padding rows
+    padded_cache, plain_cache = prefilled_cache(model, prompts), prefilled_cache(model, prompts)
+    positions = padded_cache.lengths.long()[:, None] + tree.depths.long()
+    padded = model(tree.tokens, positions, padded_cache, tree.visible).logits
+    plain = model(tree.tokens[:, :3], positions[:, :3], plain_cache, tree.visible[:, :3, :3].contiguous()).logits
+    assert rel_err(padded[:, :3], plain) <= 1e-6
+
+
+def test_kv_commit_after_a_tree_pass_continues_like_sequential_decode():
+    model = make_model(30)
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 3)]
+    parents = [-1, 0, 0, 1, 2, 2]  # two branches; accept 0 -> 2 -> 5 in request 0, 0 -> 1 -> 3 in request 1
+    N = len(parents)
+    visible = torch.zeros(N, N, dtype=torch.bool)
+    depth = torch.zeros(N, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i], depth[i] = visible[p], depth[p] + 1
+        visible[i, i] = True
+    tokens = torch.randint(0, VOCAB, (2, N), generator=g)
+    accepted = torch.tensor([[0, 2, 5, -1, -1, -1], [0, 1, 3, -1, -1, -1]], dtype=torch.int32)  # [R, N] as tree_accept
+    nxt = torch.randint(0, VOCAB, (2, 1), generator=g)
+    cache = prefilled_cache(model, prompts)
+    model(tokens, cache.lengths.long()[:, None] + depth, cache, visible.expand(2, N, N))
+    kv_commit(cache.kv, cache.block_table, cache.lengths, accepted, torch.tensor([3, 3], dtype=torch.int32))
+    cache.advance(3)
+    after_commit = decode_one_by_one(model, cache, nxt)
+    for r in range(2):
+        alone = prefilled_cache(model, [prompts[r]])
+        path = tokens[r, accepted[r, :3].long()]
+        expected = decode_one_by_one(model, alone, torch.cat([path, nxt[r]])[None])[0, -1]
+        assert rel_err(after_commit[r, 0], expected) <= 1e-5
+
+
+def test_cache_overflow_raises_instead_of_writing_out_of_bounds():
+    model = make_model(15)
+    cache = KimiK2Cache.for_model(model, 2, 8, page_size=4, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with pytest.raises(CacheOverflowError, match="capacity of 8"):
+        model(ids, cache=cache)
+    with torch.no_grad():
+        model(ids[:, :6], cache=cache)
+    cache.advance(6)
+    before = cache.kv.clone()
+    visible = torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3)
+    with pytest.raises(CacheOverflowError, match="request 0 needs 9 tokens"):
+        model(ids[:, :3], cache.lengths.long()[:, None] + torch.arange(3), cache, visible)
+    assert torch.equal(cache.kv, before)
+
+
+# --------------------------------------------------------------------------------------------
+# experts and routing
+# --------------------------------------------------------------------------------------------
+
+def _random_int4(E: int, N: int, K: int, g: torch.Generator):
+    packed = torch.randint(-(2**31), 2**31, (E, N, K // 8), dtype=torch.int64, generator=g).to(torch.int32)
+    scale = (torch.rand(E, N, K // 32, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
+    return packed, scale
+
+
+def test_int4_experts_equal_the_dense_path_on_dequantised_weights():
+    int4_model = make_model(16, **INT4_SIZES, quantization_config=INT4_QUANTIZATION)
+    dense_model = copy.deepcopy(int4_model)
+    g = torch.Generator().manual_seed(17)
+    for (name, experts), dense in zip(
+            [(n, m) for n, m in int4_model.named_modules() if isinstance(m, KimiK2Experts)],
+            [m for m in dense_model.modules() if isinstance(m, KimiK2Experts)]):
+        E, I, H = experts.gate_proj.shape
+        gate, up, down = _random_int4(E, I, H, g), _random_int4(E, I, H, g), _random_int4(E, H, I, g)
+        experts.set_int4(*gate, *up, *down)
+        assert experts.is_int4 and "gate_proj" not in dict(experts.named_parameters())
+        deq = [int4_dequantize(*w, 32) for w in (gate, up, down)]
+        for mine, ref in zip(experts.dense_weights(), deq):  # repacking loses nothing
+            assert torch.equal(mine, ref), name
+        dense.set_dense(*deq)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=g)
+    with torch.no_grad():
+        assert rel_err(int4_model(ids).logits, dense_model(ids).logits) <= 1e-5
+        cache = KimiK2Cache.for_model(int4_model, 2, 8, page_size=4, dtype=torch.float32)
+        assert rel_err(decode_one_by_one(int4_model, cache, ids), dense_model(ids).logits) <= 1e-5
+
+
+def test_dense_expert_paths_agree():
+    torch.manual_seed(18)
+    experts = KimiK2Experts(6, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(10, 32)
+    ids = torch.stack([torch.randperm(6)[:3] for _ in range(10)]).int()
+    w = torch.rand(10, 3)
+    with torch.no_grad():
+        gathered, looped = experts._gathered(x, ids, w), experts._looped(x, ids, w)
+        oracle = torch.zeros(10, 32, dtype=torch.float64)
+        for t in range(10):
+            for j in range(3):
+                e = int(ids[t, j])
+                h = torch.nn.functional.silu(experts.gate_proj[e].double() @ x[t].double()) * \
+                    (experts.up_proj[e].double() @ x[t].double())
+                oracle[t] += w[t, j].double() * (experts.down_proj[e].double() @ h)
+        assert rel_err(gathered.double(), oracle) <= 1e-5 and rel_err(looped.double(), oracle) <= 1e-5
+        try:
+            grouped = experts._grouped(x, ids, w)
+        except (RuntimeError, NotImplementedError) as e:  # grouped_mm without a CPU kernel in this torch
+            pytest.skip(f"grouped_mm unavailable on CPU here: {e}")
+        assert rel_err(grouped.double(), oracle) <= 1e-5
+
+
+def _rows(linear, lo, hi, dim=0):
+    part = copy.deepcopy(linear)
+    part.weight = torch.nn.Parameter(linear.weight.narrow(dim, lo, hi - lo).clone())
+    return part
+
+
+def test_heads_and_expert_slices_sharded_from_outside_sum_to_the_whole():
+    """Tensor parallelism applied from outside: each rank holds a slice of the heads / of the
+    experts' intermediate size, the modules read their sizes from the weights, and the ranks'
+    partial outputs add up to the unsharded module's (the all-reduce TP would do)."""
+    from torch_kdtree.models.kimi_k2.modeling import _Tree
+
+    model = make_model(32)
+    layer = model.model.layers[1]
+    attn, ranks = layer.self_attn, 2
+    heads, qk, kv, v = 4, 32 + 64, 32 + 32, 32
+    per = heads // ranks
+    shards = []
+    for r in range(ranks):
+        a = copy.deepcopy(attn)
+        a.q_b_proj = _rows(attn.q_b_proj, r * per * qk, (r + 1) * per * qk)
+        a.kv_b_proj = _rows(attn.kv_b_proj, r * per * kv, (r + 1) * per * kv)
+        a.o_proj = _rows(attn.o_proj, r * per * v, (r + 1) * per * v, dim=1)
+        shards.append(a)
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(2, 6, 64, generator=g)
+    positions = torch.arange(6)[None].expand(2, -1) + 7
+    cos, sin = model.model.rotary_emb(positions)
+    prefill, _ = model.model._prefill_batch(torch.zeros(2, 6, dtype=torch.long), positions, None, None)
+    whole = attn(x, cos, sin, prefill, 1)
+    assert rel_err(sum(a(x, cos, sin, prefill, 1) for a in shards), whole) <= 1e-5
+    cache = prefilled_cache(model, [torch.arange(7), torch.arange(7)])
+    tree = _Tree(cache, cache.slots(6), torch.tril(torch.ones(6, 6, dtype=torch.bool)).expand(2, 6, 6).contiguous())
+    whole = attn(x, cos, sin, tree, 1)
+    assert rel_err(sum(a(x, cos, sin, tree, 1) for a in shards), whole) <= 1e-5
+
+    experts = layer.mlp.experts
+    tokens = torch.randn(5, 64, generator=g)
+    ids, weights = layer.mlp.gate(tokens)
+    I = experts.gate_proj.shape[1]
+    parts = []
+    for r in range(ranks):
+        lo, hi = r * I // ranks, (r + 1) * I // ranks
+        e = KimiK2Experts(1, 1, 1)
+        e.set_dense(experts.gate_proj[:, lo:hi], experts.up_proj[:, lo:hi], experts.down_proj[:, :, lo:hi])
+        parts.append(e(tokens, ids, weights))
+    assert rel_err(sum(parts), experts(tokens, ids, weights)) <= 1e-5
+
+
+def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
+    model = make_model(19, **INT4_SIZES)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
+    experts = model.model.layers[2].mlp.experts
+    E, I, H = experts.gate_proj.shape
+    g = torch.Generator().manual_seed(20)
+    experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
+    model = model.to(torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
+    model = model.float()
+    assert experts.w13_scales.dtype == torch.bfloat16 and experts.w2_qweight.dtype == torch.int32
+    assert model.model.layers[1].mlp.experts.gate_proj.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# compile and CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+def decode_step(model, cache, tokens, positions, visible):
+    """One fixed-shape decode step: the tree pass with N = 1, then commit the token."""
+    logits = model(tokens, positions, cache, visible).logits
+    cache.advance(1)
+    return logits
+
+
+def test_decode_step_compiles_fullgraph_and_matches_eager():
+    model = make_model(20)
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 8)]
+    eager_cache, compiled_cache = prefilled_cache(model, prompts), prefilled_cache(model, prompts)
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=g)
+    visible = torch.ones(2, 1, 1, dtype=torch.bool)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for t in range(4):
+            tok = tokens[:, t : t + 1]
+            want = decode_step(model, eager_cache, tok, eager_cache.lengths.long()[:, None], visible)
+            got = step(model, compiled_cache, tok, compiled_cache.lengths.long()[:, None], visible)
+            assert rel_err(got, want) <= 1e-5
+    assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step
+
+
+GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the kernel's smallest head count
+requires_int4_cuda = pytest.mark.skipif(
+    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")),
+    reason="needs a CUDA device and the kdtree::int4_moe CUDA kernel")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
+    model = make_model(34, **GPU_HEADS)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(35))
+    want = model(ids).logits
+    gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    grouped_calls = 0
+    grouped = KimiK2Experts._grouped
+
+    def counting(self, *args):
+        nonlocal grouped_calls
+        grouped_calls += 1
+        return grouped(self, *args)
+
+    monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
+    got = gpu(ids.cuda()).logits
+    assert rel_err(got.float().cpu(), want) <= 5e-2
+    assert grouped_calls == 2  # both MoE layers took the grouped_mm path
+    cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
+    paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
+    assert rel_err(paged.float(), got.float()) <= 2e-2
+
+
+@requires_int4_cuda
+def test_cuda_int4_experts_match_dense_on_dequantised_weights():
+    int4_model = make_model(36, **INT4_SIZES, **GPU_HEADS)
+    dense_model = copy.deepcopy(int4_model)
+    g = torch.Generator().manual_seed(37)
+    for experts, dense in zip([m for m in int4_model.modules() if isinstance(m, KimiK2Experts)],
+                              [m for m in dense_model.modules() if isinstance(m, KimiK2Experts)]):
+        E, I, H = experts.gate_proj.shape
+        weights = [_random_int4(E, I, H, g), _random_int4(E, I, H, g), _random_int4(E, H, I, g)]
+        experts.set_int4(*(t for w in weights for t in w))
+        dense.set_dense(*(int4_dequantize(*w, 32) for w in weights))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=g).cuda()
+    int4_model.to("cuda", torch.bfloat16)
+    dense_model.to("cuda", torch.bfloat16)
+    assert rel_err(int4_model(ids).logits.float(), dense_model(ids).logits.float()) <= 3e-2
+
+
+@requires_mla_cuda
+def test_decode_step_cuda_graph_replay_matches_eager():
+    model = make_model(22, **GPU_HEADS).to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=g).cuda()
+    caches = [KimiK2Cache.for_model(model, 2, 32, page_size=4, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    visible = torch.ones(2, 1, 1, dtype=torch.bool, device="cuda")
+    with torch.no_grad():
+        for c in caches:
+            model(prompt, cache=c)
+            c.advance(6)
+        graph_cache, eager_cache = caches
+        static_tok = tokens[:, :1].clone()
+        static_pos = graph_cache.lengths.long()[:, None].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture (lazy init, allocator)
+            for _ in range(2):
+                model(static_tok, static_pos, graph_cache, visible)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = decode_step(model, graph_cache, static_tok, graph_cache.lengths.long()[:, None], visible)
+        # capture does not run the work: the cache is as it was; every replay is one real step
+        for t in range(5):
+            static_tok.copy_(tokens[:, t : t + 1])
+            graph.replay()
+            want = decode_step(model, eager_cache, tokens[:, t : t + 1], eager_cache.lengths.long()[:, None], visible)
+            assert rel_err(static_logits.float(), want.float()) <= 1e-2, t  # the same kernels, replayed
+        torch.cuda.synchronize()
+        assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [11, 11]
+
+
+@requires_mla_cuda
+def test_decode_step_reduce_overhead_uses_cuda_graphs():
+    model = make_model(24, **GPU_HEADS).to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(25)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
+    caches = [KimiK2Cache.for_model(model, 2, 32, page_size=4, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    visible = torch.ones(2, 1, 1, dtype=torch.bool, device="cuda")
+    replays = 0
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counting_replay(self):
+        nonlocal replays
+        replays += 1
+        return replay(self)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda.CUDAGraph, "replay", counting_replay)
+        for c in caches:
+            model(prompt, cache=c)
+            c.advance(6)
+        compiled_cache, eager_cache = caches
+        for t in range(6):
+            tok = tokens[:, t : t + 1].clone()
+            got = step(model, compiled_cache, tok, compiled_cache.lengths.long()[:, None], visible).clone()
+            want = decode_step(model, eager_cache, tok, eager_cache.lengths.long()[:, None], visible)
+            assert rel_err(got.float(), want.float()) <= 5e-2, t  # inductor's fusions vs eager, bf16
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert replays >= 3, f"CUDA graphs replayed {replays} times in 6 steps"
+    assert compiled_cache.lengths.tolist() == [12, 12]
