@@ -20,7 +20,10 @@
 //   Small (few rows, and every config on sm_120's 99 KB): MT 1, RG 1 -> BM 16, BN 32, 2 stages,
 //   4 warps, 91 KB (2 CTAs/SM on sm_90).
 // What bounds it: FLOPs = M·S·2·(576 + 512) against bytes ≈ 1152·S per request (1.89·M FLOP/B);
-// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores.  Row blocks of one
+// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores -- and there, with
+// mma.sync, the ldmatrix traffic: per 64x64 tile each warp reads ~76 KB of smem (Q 36 KB, K 18 KB,
+// P 4 KB, V 16 KB) for 272 mma, ~4.7k cycles per tile at 128 B/clk vs ~3.6k of mma at the
+// measured 645 TFLOP/s, so the 64-row tile tops out near 440 TFLOP/s on an H200 [calc].  Row blocks of one
 // (request, split) are adjacent in the grid (blockIdx.x), so they run together and share each
 // key page through L2: DRAM reads every page once per (request, split).
 //
@@ -49,7 +52,7 @@ constexpr int kDV = 512;              // value dim: the latent part of the same 
 constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
 constexpr int kRowBytes = kD * 2;     // 1152
 constexpr int kMinChunk = 256;        // fewest keys per split worth a CTA (its Q load, the combine)
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = 256;
 constexpr int kCombineWarps = 4;
 constexpr float kLn2 = 0.69314718055994531f;
 constexpr float kLog2e = 1.44269504088896341f;
@@ -150,7 +153,7 @@ __device__ __forceinline__ void split_range(int total, int splits, int s, int bn
   int chunk = (total + splits - 1) / splits;
   chunk = max(chunk, kMinChunk);
   chunk = (chunk + bn - 1) / bn * bn;
-  begin = min(s * chunk, total);  // s < splits <= 128 and chunk <= ceil(total/splits) + max(256, bn): no overflow
+  begin = min(s * chunk, total);  // s < splits <= 256 and chunk <= ceil(total/splits) + max(256, bn): no overflow
   end = min(total, begin + chunk);
 }
 
@@ -487,8 +490,11 @@ template <int MT, int RG, int BN, int STAGES>
 void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t stream) {
   using T = Tile<MT, RG, BN, STAGES>;
   auto kernel = mla_tree_attention_kernel<MT, RG, BN, STAGES>;
-  // Idempotent; needed once per device for more than 48 KB of dynamic shared memory.
+  // Idempotent (not stream work, so allowed while capturing): more than 48 KB of dynamic shared
+  // memory, and the largest shared-memory carveout so that two small tiles fit on an sm_90 SM.
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      int(cudaSharedmemCarveoutMaxShared)));
   const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
   kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -562,7 +568,9 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   const int bm = large ? LargeTile::kBM : SmallTile::kBM;
   const int bn = large ? 64 : 32;
   const int64_t row_blocks = (M + bm - 1) / bm;
-  const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * (large ? 1 : 2);
+  const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
+  const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
+  const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
   const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn);
 
   Params p{};
