@@ -482,19 +482,20 @@ def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
 
 
 @requires_mla_cuda
-@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16), ("oracle", 32), ("oracle_80", "auto")])
-def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget):
-    """The same kernels in bf16, CUDA graphs: DDTree output equals autoregressive output (up to
-    bf16 ties, see the helper)."""
+@pytest.mark.parametrize("kind,budget,compile_step", [("oracle_80", 8, "auto"), ("random_dflash", 16, False),
+                                                      ("oracle", 32, "auto"), ("oracle_80", "auto", "auto")])
+def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
+    """The same kernels in bf16, CUDA graphs (steps compiled by inductor, the default, or eager
+    ops): DDTree output equals autoregressive output (up to bf16 ties, see the helper)."""
     model = gpu_target(90)
     ids, mask = prompts(3, 90)
     ids, mask = ids.cuda(), mask.cuda()
     drafter = make_drafter(kind, model, 91, 6)
     if not isinstance(drafter, OracleDrafter):
         drafter = drafter.to("cuda", torch.bfloat16)
-    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, compile_step=compile_step)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
-                        tree_budget=budget)
+                        tree_budget=budget, compile_step=compile_step)
     assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
 
 
