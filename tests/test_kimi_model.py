@@ -684,3 +684,14 @@ def test_compiled_gemv_form_equals_the_linear_layers(monkeypatch):
         calls.clear()
         torch.compile(lambda x: mlp(x), backend="aot_eager", fullgraph=True)(torch.randn(8, 32))
     assert calls == []
+
+
+def test_rank_topk_equals_topk_with_lower_index_first_on_ties():
+    from torch_kdtree.models.kimi_k2.moe import rank_topk
+
+    g = torch.Generator().manual_seed(41)
+    for E, k in ((64, 8), (384, 8), (16, 16), (5, 1)):
+        x = torch.randn(3, E, generator=g)
+        assert torch.equal(rank_topk(x, k), x.topk(k, dim=-1).indices)
+    ties = torch.tensor([[0.5, 2.0, 0.5, 2.0, -float("inf"), 0.5]])
+    assert rank_topk(ties, 5).tolist() == [[1, 3, 0, 2, 5]]

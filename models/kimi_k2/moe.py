@@ -40,6 +40,20 @@ class KimiK2MLP(nn.Module):
         return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
+def rank_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k largest entries of each row of ``x`` [T, E], largest first, equal
+    values lower index first, by counting for every entry the entries that beat it (an [E, E]
+    comparison per row): only compares and sums, so under torch.compile it is a fused reduction
+    instead of topk's sort kernels -- for decode-sized T (the router's k of E experts)."""
+    E = x.shape[-1]
+    idx = torch.arange(E, device=x.device)
+    a, b = x[:, :, None], x[:, None, :]
+    beaten = (b > a) | ((b == a) & (idx[None, None, :] < idx[None, :, None]))  # [T, e, j]: j beats e
+    rank = beaten.sum(-1)  # [T, E], distinct per row
+    r = torch.arange(k, device=x.device)
+    return ((rank[:, None, :] == r[None, :, None]) * idx).sum(-1)
+
+
 class KimiK2Router(FixedDtype):
     """noaux_tc routing (kimi_k2.md): sigmoid scores in fp32; ``e_score_correction_bias`` only
     selects; optional group-limited choice (``n_group`` groups scored by their top-2, the best
@@ -74,7 +88,10 @@ class KimiK2Router(FixedDtype):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-        ids = choice.topk(self.top_k, dim=-1).indices
+        if use_gemv(x, self.weight):  # decode under torch.compile on CUDA: no sort kernels
+            ids = rank_topk(choice, self.top_k)
+        else:
+            ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
