@@ -243,21 +243,24 @@ def _oracle(name: str) -> OracleDrafter:
     return OracleDrafter(target(name), accuracy=0.8, second_choice=0.5, seed=3, inner=drafter(name))
 
 
-def _hf_models():
+def hf_deepseek_v3(name: str, **overrides):
+    """transformers' own DeepseekV3ForCausalLM on configuration ``name`` (random bf16 weights on
+    the GPU, seed 0), with config fields overridden."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    d = {k: v for k, v in config_dict("2p2b").items() if k not in ("model_type", "auto_map", "architectures")}
+    d = {k: v for k, v in config_dict(name).items() if k not in ("model_type", "auto_map", "architectures")}
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
             torch.manual_seed(0)
-            main = DeepseekV3ForCausalLM(DeepseekV3Config(**d)).eval()
-            assistant = DeepseekV3ForCausalLM(DeepseekV3Config(**{**d, "num_hidden_layers": 1,
-                                                                  "first_k_dense_replace": 1})).eval()
+            return DeepseekV3ForCausalLM(DeepseekV3Config(**{**d, **overrides})).eval()
     finally:
         torch.set_default_dtype(default)
-    return main, assistant
+
+
+def _hf_models():
+    return hf_deepseek_v3("2p2b"), hf_deepseek_v3("2p2b", num_hidden_layers=1, first_k_dense_replace=1)
 
 
 @requires_cuda

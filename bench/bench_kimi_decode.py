@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from .bench_generate import MARKS, config_dict, floor_seconds, target
+from .bench_generate import MARKS, floor_seconds, hf_deepseek_v3, target
 from .conftest import cuda_time_us, hbm_bandwidth_gbs, record
 
 PROMPT, NEW = 512, 256
@@ -76,18 +76,8 @@ def test_kimi_greedy_decode(benchmark, name, compiled):
 def test_transformers_deepseek_v3_generate(benchmark, name):
     """transformers' own DeepseekV3ForCausalLM (random weights, same configuration, bf16, its own
     cache, eager), greedy, 512-token prompt, 256 new tokens."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    d = {k: v for k, v in config_dict(name).items() if k not in ("model_type", "auto_map", "architectures")}
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            torch.manual_seed(0)
-            hf = DeepseekV3ForCausalLM(DeepseekV3Config(**d)).eval()
-    finally:
-        torch.set_default_dtype(default)
-    ids = _prompt(d["vocab_size"])
+    hf = hf_deepseek_v3(name)
+    ids = _prompt(hf.config.vocab_size)
     common = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=4, **common)
