@@ -41,11 +41,12 @@ def _prompt(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab - 2, (1, PROMPT), generator=g).cuda()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager_ops", "inductor"])
+@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}], ids=["eager_ops", "inductor", "combo"])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in ("2p2b", "k2_slice")])
 def test_kimi_greedy_decode(benchmark, name, compiled):
     """generate(speculative=None): the step captured in a CUDA graph, its ops eager
-    (compile_step=False) or compiled by inductor first (compile_step=True)."""
+    (compile_step=False) or compiled by inductor first (compile_step=True; or with inductor's
+    combo kernels, which launch independent kernels together)."""
     model = target(name)
     ids = _prompt(model.config.vocab_size)
     t0 = time.perf_counter()
@@ -65,7 +66,7 @@ def test_kimi_greedy_decode(benchmark, name, compiled):
     copy_bw, read_bw = hbm_bandwidth_gbs(), hbm_read_gbs()
     floor_ms = floor_seconds(name, 0, PROMPT + NEW // 2, with_drafter=False) * 1e3 * copy_bw / max(copy_bw, read_bw)
     RATES[name] = max(RATES.get(name, 0.0), NEW / wall)  # wall clock, prefill included, as transformers is timed
-    info = dict(op="kimi_decode", config=name, compile_step=compiled, setup_s=setup_s, prompt=PROMPT, new_tokens=NEW, ms_per_step=step_ms,
+    info = dict(op="kimi_decode", config=name, compile_step=str(compiled), setup_s=setup_s, prompt=PROMPT, new_tokens=NEW, ms_per_step=step_ms,
                 tokens_per_s=1e3 / step_ms, wall_tokens_per_s=NEW / wall, floor_ms=floor_ms,
                 floor_ratio=floor_ms / step_ms, copy_gbs=copy_bw, read_gbs=read_bw,
                 target="floor_ratio >= 0.6" if name == "2p2b" else "floor_ratio >= 0.667 (within 1.5x)")

@@ -179,6 +179,28 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
+def test_compile_step_forms_reach_torch_compile(monkeypatch):
+    """compile_step: True -> inductor, a name -> that backend, a dict -> inductor with those
+    options; generate's default "auto" compiles only CUDA graphs on CUDA (eager here)."""
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        seen.append(kwargs)
+        return fn
+
+    model = target(32)
+    ids, mask = prompts(1, 32, left=False)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    for form, want in ((True, {"backend": "inductor"}), ("aot_eager", {"backend": "aot_eager"}),
+                       ({"combo_kernels": True}, {"backend": "inductor", "options": {"combo_kernels": True}})):
+        seen.clear()
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None, compile_step=form)
+        assert seen and all({k: v for k, v in kw.items() if k in ("backend", "options")} == want for kw in seen)
+    seen.clear()
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
+    assert seen == []
+
+
 @pytest.mark.parametrize("speculative", [None, "ddtree"])
 def test_batch_of_different_prompt_lengths_equals_single_runs(speculative):
     model = target(40)
