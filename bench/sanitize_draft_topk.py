@@ -1,7 +1,6 @@
 """Representative calls of the draft top-K ops, for compute-sanitizer memcheck / racecheck runs:
-bf16 with 16-byte loads (several chunks, k = 1024), float32 with the scalar path and the 64 KB
-shared-memory chunk (V = 262144 would take long under the sanitizer, so V = 262136 + unaligned
-base), partial + merge."""
+bf16 with 16-byte loads (a cluster of 8 CTAs, k = 1024), float32 with scalar loads (unaligned
+base, V = 262136) and few distinct values (the full-key radix fallback), partial + merge."""
 import torch
 
 import torch_kdtree  # noqa: F401

@@ -10,7 +10,7 @@ from .conftest import devices, requires_cuda
 from torch_kdtree.ops import (draft_topk, draft_topk_merge, draft_topk_merge_reference, draft_topk_partial,
                               draft_topk_partial_reference, draft_topk_reference)
 
-KINDS = ["normal", "peaked", "flat", "equal", "ties", "masked"]
+KINDS = ["normal", "peaked", "flat", "equal", "ties", "masked", "ramp", "spikes"]
 LP_TOL = dict(atol=1e-5, rtol=1e-6)  # float32 rounding of (x - max) - log(sum)
 
 
@@ -33,6 +33,12 @@ def make_logits(kind: str, shape, dtype, gen: torch.Generator) -> torch.Tensor:
     elif kind == "masked":  # a random half of the vocabulary masked to -inf
         x = torch.randn(shape, generator=gen)
         x[torch.rand(shape, generator=gen) < 0.5] = -math.inf
+    elif kind == "ramp":  # increasing along the vocabulary: the whole top-k in the last ids
+        x = torch.arange(V).float() * (8.0 / V) + torch.randn(R, L, 1, generator=gen)
+    elif kind == "spikes":  # the bench's drafter-like rows: a normal band, a few tokens far above it
+        x = torch.randn(shape, generator=gen) * 2
+        hot = torch.randint(V, (R, L, min(64, V)), generator=gen)
+        x.scatter_add_(-1, hot, torch.full(hot.shape, 12.0))
     else:
         raise ValueError(kind)
     return x.to(dtype)
@@ -280,8 +286,10 @@ def test_cuda_op_rejects_bad_inputs_with_clear_errors():
 # CUDA kernels vs the reference
 # --------------------------------------------------------------------------------------------
 
-CUDA_SIZES = [(1000, 1), (1000, 1000), (50007, 64), (163840, 16), (163840, 256), (163840, 1024),
-              (262144, 700), (262144, 1024)]
+# (4000, 1024): fewer threads hold entries than k; (8193, 512): two CTAs, scalar loads, a short
+# last chunk; (50007, 64): 16-byte loads impossible (V odd).
+CUDA_SIZES = [(1000, 1), (1000, 1000), (4000, 1024), (8193, 512), (50007, 64), (163840, 16), (163840, 256),
+              (163840, 1024), (262144, 700), (262144, 1024)]
 
 
 def check_against_reference(logits_cpu: torch.Tensor, k: int, got) -> None:
@@ -316,10 +324,31 @@ def test_kernel_reads_unaligned_rows(dtype, fresh_seed):
 
 
 @requires_cuda
-def test_kernel_matches_reference_at_the_bench_shape(fresh_seed):
+@pytest.mark.parametrize("R,k", [(1, 16), (1, 1024), (8, 64)])
+@pytest.mark.parametrize("kind", ["normal", "spikes"])
+def test_kernel_matches_reference_at_the_bench_shape(R, k, kind, fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
-    logits = make_logits("normal", (8, 15, 163840), torch.bfloat16, gen)
-    check_against_reference(logits, 64, draft_topk(logits.cuda(), 64))
+    logits = make_logits(kind, (R, 15, 163840), torch.bfloat16, gen)
+    check_against_reference(logits, k, draft_topk(logits.cuda(), k))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_is_exact_when_the_threshold_keeps_too_many(dtype, fresh_seed):
+    # Rows where far more than 2048 entries reach the per-thread-max threshold (all equal, a few
+    # values, a tie at the k-th place), so the kernel's full-key radix fallback picks the top k.
+    gen = torch.Generator().manual_seed(fresh_seed)
+    V, k = 163840, 1024
+    rows = [torch.zeros(V), torch.randint(0, 2, (V,), generator=gen).float(),
+            torch.cat([torch.full((1000,), 5.0), torch.full((V - 1000,), 4.0)])[torch.randperm(V, generator=gen)],
+            torch.where(torch.arange(V) % 7 == 0, 1.0, 0.0)]
+    logits = torch.stack(rows).view(1, len(rows), V).to(dtype)
+    poison_allocator(len(rows) * k * 4, len(rows) * k * 8)
+    check_against_reference(logits, k, draft_topk(logits.cuda(), k))
+    part = draft_topk_partial(logits.cuda(), k, 7)
+    want = draft_topk_partial_reference(logits, k, 7)
+    assert torch.equal(part.token_ids.cpu(), want.token_ids)
+    assert torch.equal(part.values.cpu(), want.values)
 
 
 @requires_cuda

@@ -2,38 +2,44 @@
 // pure-torch references these kernels must match (ids exactly, log-probs to float32 rounding):
 // torch_kdtree/ops/topk.py.
 //
-// Order.  Every entry gets a distinct integer key = orderable(value) << id_bits | (id_max - id):
-// a larger key is a larger float32 value, then a lower id (-0 is folded into +0, every NaN into
+// Order.  Every entry gets a distinct integer key = orderable(value) << 18 | (2^18 - 1 - id): a
+// larger key is a larger float32 value, then a lower id (-0 is folded into +0, every NaN into
 // one NaN above +inf).  The top-k is the k largest keys.
 //
-// draft_topk / draft_topk_partial on logits [rows = R*L, V] run two kernels:
-//  1. chunk kernel, grid (rows, S), 512 threads: a block owns C <= 16384 consecutive entries of
-//     one row (S*k <= 16384 candidates per row).  It reads them once (16-byte loads where the
-//     rows are aligned) into shared memory as orderable value bits, counting the first digit on
-//     the way, reduces the chunk's max and sum(exp(x - max)), and radix-selects the chunk's top
-//     min(k, n) keys: 11-bit digits from the top of the key, one shared-memory histogram per
-//     digit (warp-aggregated atomics), a block scan to find the digit of the k-th key, stopping
-//     as soon as the k-th key's bin is taken whole (2-3 digits typically; a Python model of the
-//     algorithm averaged 2.7).  Survivors go to a workspace [rows, S, k] (key 0 = none).
-//  2. row kernel, one block of 1024 threads per row: combines the S (max, sum) pairs into the
-//     row's log-sum-exp (the block holding the row max contributes exp(x - max) terms exactly
-//     as torch.log_softmax computes them), radix-selects the top k of the S*k candidates (16
-//     per thread, in registers), bitonic-sorts the k survivors (one per thread; shuffles for
-//     strides < 32, shared memory above) and writes them.
-// Bound: one read of the logits (R*L*V*2 bytes in bf16: 4.9 MB at R=1, L=15, V=163840, ~1.2 us
-// at the H200's HBM rate); at small R the chain of dependent steps (load, select digits, the
-// row kernel's digits and bitonic stages) and the select passes' ~100 instructions per entry
-// bound the latency instead.
+// draft_topk / draft_topk_partial: ONE kernel, one thread-block cluster of S <= 8 CTAs (512
+// threads each) per row of logits [rows = R*L, V]; CTA c owns the row's entries [c*C, c*C + C)
+// and keeps them in registers as orderable keys (NV slots of 16 bytes per thread, 16-byte loads
+// where the row is aligned).  The CTAs talk through distributed shared memory and cluster
+// barriers (no workspace, no atomics in global memory, no second launch):
+//  1. each CTA: max, sum(exp(x - CTA max)) (ex2.approx), and each thread's largest key.
+//  2. threshold tau = the k-th largest of the row's per-thread maxima (two 8-bit radix rounds
+//     on 16 key bits, every CTA summing the S histograms itself).  At least k entries are >= tau,
+//     so every top-k entry is; with 4096 threads per row it keeps ~1.15 k entries (k = 1024,
+//     normal logits) down to ~k (small k).  Fewer threads with entries than k: tau keeps all.
+//  3. count the entries >= tau (block scan gives each thread its slots); if more than 2048
+//     (ties, flat rows), continue the radix select on the full keys of those entries, 8 bits a
+//     round, until at most 2048 remain (keys are distinct, so the last digit leaves exactly k).
+//  4. every CTA writes its candidates into the leader CTA's shared memory; the leader combines
+//     the S (max, sum) pairs into log-sum-exp (the CTA holding the row max contributes its
+//     exp(x - max) terms unscaled), bitonic-sorts the <= 2048 candidate keys in registers
+//     (shuffles below stride 32, shared memory for 32..256) and writes the first k.
+// Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
+// R=8).  At R=1 the 120 CTAs (one per SM) are latency bound: the load, four cluster barriers
+// (two threshold rounds, the count exchange, the gather), and the leader's sort (~66 stages at
+// k=1024, ~15 at k=16); per entry only ~15 instructions (convert, max, exp, two compares).
+// At R=8 (960 CTAs, 2 per SM for bf16 V=163840) the load and those instructions overlap
+// across CTAs.  Clusters need sm_90+ (sm_90 and sm_120 are the build targets).
 //
-// draft_topk_merge on [P, rows, k_in] candidates: one block per row runs the same select and
-// sort over the P*k_in keys (id_bits = 32, re-read from global/L2 on every digit) and
-// logsumexp over the P parts' lse.
+// draft_topk_merge on [P, rows, k_in] candidates: one block per row runs a block-wide radix
+// select (11-bit digits, shared-memory histograms) and a bitonic sort over the P*k_in keys
+// (id_bits = 32, re-read from global/L2 on every digit) and logsumexp over the P parts' lse.
 //
-// Every size is fixed by the shapes (workspace from the caching allocator, no host sync), so
-// all three ops can be captured in CUDA graphs.
+// Every size is fixed by the shapes (no host sync, no data-dependent allocation), so all three
+// ops can be captured in CUDA graphs.
 #include "check.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -42,24 +48,17 @@
 namespace kdtree {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kMaxK = 1024;
 constexpr int kMaxVocab = 262144;
+// the merge kernel's block-wide select
 constexpr int kDigitBits = 11;
 constexpr int kBins = 1 << kDigitBits;
-constexpr int kChunkThreads = 512;
-constexpr int kChunkTarget = 8192;      // entries per chunk block when k allows it
-constexpr int kMaxChunk = 16384;        // entries per chunk block, at most
-constexpr int kChunkIdBits = 14;        // chunk-local index < kMaxChunk
 constexpr int kRowThreads = 1024;
-constexpr int kRowItems = 16;           // candidates per row-kernel thread
-constexpr int kMaxCandidates = kRowThreads * kRowItems;  // S*k per row
-constexpr int kRowIdBits = 18;          // index in the row < kMaxVocab
-static_assert((1 << kChunkIdBits) >= kMaxChunk, "chunk index must fit its key bits");
-static_assert((1 << kRowIdBits) >= kMaxVocab, "row index must fit its key bits");
-static_assert(kRowThreads >= kMaxK, "the row sort holds one key per thread");
-static_assert(kBins % kChunkThreads == 0 && kBins % kRowThreads == 0, "bins split evenly over threads");
+static_assert(kRowThreads >= kMaxK, "the merge sort holds one key per thread");
+static_assert(kBins % kRowThreads == 0, "bins split evenly over threads");
 
-// bfloat16 logits, read as raw 16-bit patterns.
 struct Bf16 {
   using Raw = uint16_t;
   using ChunkKey = uint32_t;  // 16 value bits + 14 index bits
@@ -151,38 +150,6 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* w
   return v + (warp > 0 ? warp_total[warp - 1] : 0u);
 }
 
-template <int THREADS>
-__device__ __forceinline__ float block_max(float v, SelectShared& sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-  if (lane == 0) sh.red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < THREADS / 32 ? sh.red[lane] : -INFINITY;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-    if (lane == 0) sh.bcast = v;
-  }
-  __syncthreads();
-  return sh.bcast;
-}
-
-// Only thread 0's result is meaningful.
-template <int THREADS>
-__device__ __forceinline__ float block_sum_to_thread0(float v, SelectShared& sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  if (lane == 0) sh.red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < THREADS / 32 ? sh.red[lane] : 0.0f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  }
-  return v;
-}
 
 // Block-wide radix select.  key_at(j, key) yields this thread's j-th key and whether it exists,
 // for j < iters (the same iters in every thread; ITERS > 0 fixes it at compile time so that keys
@@ -287,177 +254,424 @@ __device__ __forceinline__ int next_pow2(int k) {
   return n;
 }
 
-template <typename Tr>
-__global__ void __launch_bounds__(kChunkThreads)
-topk_chunk_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int S, int k, bool vec_ok,
-                  uint64_t* __restrict__ cand, float2* __restrict__ stats) {
-  using Raw = typename Tr::Raw;
-  extern __shared__ __align__(16) unsigned char dyn_smem[];
-  Raw* ord = reinterpret_cast<Raw*>(dyn_smem);  // orderable value bits of the chunk
-  __shared__ SelectShared sh;
-  const int64_t row = blockIdx.x;
-  const int c = blockIdx.y;
-  const int c0 = c * C;
-  const int n = max(0, min(V - c0, C));
-  const Raw* src = logits + row * V + c0;
-  uint64_t* out = cand + (row * S + c) * int64_t(k);
-  const int k_eff = min(k, n);
-  for (int p = k_eff + int(threadIdx.x); p < k; p += kChunkThreads) out[p] = 0;
+// --------------------------------------------------------------------------------------------
+// draft_topk / draft_topk_partial: one thread-block cluster per row
+// --------------------------------------------------------------------------------------------
 
-  // Load, keep orderable bits, track the max, and count the select's first digit (the top 11
-  // bits of the value) on the way.  Loops are warp-uniform: hist_add needs every lane.
-  for (int b = threadIdx.x; b < kBins; b += kChunkThreads) sh.hist[b] = 0;
+constexpr int kThreads = 512;                 // per CTA
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCluster = 8;                // portable cluster size
+constexpr int kCap = 2048;                    // candidates the leader sorts, at most
+constexpr int kIdBits = 18;                   // index in the row < kMaxVocab
+constexpr uint32_t kIdMask = (1u << kIdBits) - 1u;
+constexpr int kDigitBins = 256;               // 8-bit digits
+static_assert((1 << kIdBits) >= kMaxVocab, "row index must fit its key bits");
+static_assert(2 * kDigitBins == kThreads, "one thread zeroes one bin of the two histograms");
+static_assert(kCap >= 2 * kMaxK && kCap % kThreads == 0 && kCap / kThreads <= 4, "sort layout");
+
+struct TopkShared {
+  uint32_t hist[2][kDigitBins];  // this CTA's digit counts; alternate rounds use alternate halves
+  uint32_t warp_u[kWarps];       // warp max keys, later warp candidate counts
+  float warp_f[kWarps];          // warp sums of exp
+  uint32_t scan_tot[kDigitBins / 32];
+  uint32_t dec_bin, dec_above, dec_cnt, dec_found;  // the current digit's decision
+  uint32_t cta_count;            // published to the cluster: this CTA's candidates
+  float cta_max, cta_sum;        // published to the cluster: max and sum(exp(x - max))
+  uint32_t cta_offset, total;    // this CTA's first slot in the leader's cand[], the cluster's count
+  float row_max, row_logsum;     // leader only
+  uint64_t cand[kCap];           // leader only: the gathered candidates' keys
+};
+
+struct Digit {
+  uint32_t bin, above, cnt;
+  bool found;
+};
+
+// One digit of a cluster-wide radix select.  Every CTA of the cluster calls it with the same
+// need after adding its keys' digits to `hist` (its own copy).  Returns, identically in every
+// CTA, the bin holding the need-th largest key counted over the cluster, the keys in higher bins
+// (above) and in that bin (cnt); found = false when fewer than need keys were counted.
+__device__ Digit cluster_pick(cg::cluster_group& cluster, TopkShared& sh, uint32_t* hist, int S, uint32_t need) {
+  cluster.sync();  // every CTA's counts are complete and visible (arrive.release / wait.acquire)
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  uint32_t c = 0, incl = 0;
+  if (t < kDigitBins) {  // warps 0..7, whole warps: thread t owns bin 255 - t (highest first)
+    const int bin = kDigitBins - 1 - t;
+    for (int r = 0; r < S; ++r) c += cluster.map_shared_rank(hist, r)[bin];
+    incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+      if (lane >= off) incl += x;
+    }
+    if (lane == 31) sh.scan_tot[warp] = incl;
+  }
   __syncthreads();
-  constexpr int kFirstShift = Tr::kBits - kDigitBits;
-  float tmax = -INFINITY;
-  int done = 0;
-  if (vec_ok) {
-    constexpr int kVec = Tr::kVec;
-    constexpr int kBatch = 4;  // 16-byte loads in flight per thread
-    union Pack {
-      uint4 u;
-      Raw r[kVec];
-    };
-    const int nvec = n / kVec;
-    const uint4* src4 = reinterpret_cast<const uint4*>(src);
-    uint4* ord4 = reinterpret_cast<uint4*>(ord);
-    for (int v0 = 0; v0 < nvec; v0 += kBatch * kChunkThreads) {
-      Pack in[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int v = v0 + b * kChunkThreads + int(threadIdx.x);
-        if (v < nvec) in[b].u = __ldg(src4 + v);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int v = v0 + b * kChunkThreads + int(threadIdx.x);
-        const bool valid = v < nvec;
-        Pack o;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const uint32_t r = valid ? uint32_t(in[b].r[e]) : 0u;
-          const uint32_t key = Tr::orderable(r);
-          if (valid) tmax = fmaxf(tmax, Tr::to_float(r));
-          o.r[e] = Raw(key);
-          hist_add(sh.hist, valid, key >> kFirstShift);
+  if (t < kDigitBins) {
+    for (int w = 0; w < warp; ++w) incl += sh.scan_tot[w];
+    const uint32_t excl = incl - c;  // keys in bins above mine
+    if (excl < need && need <= incl) {  // exactly one thread when the cluster counted >= need keys
+      sh.dec_bin = uint32_t(kDigitBins - 1 - t);
+      sh.dec_above = excl;
+      sh.dec_cnt = c;
+      sh.dec_found = 1;
+    }
+    if (t == kDigitBins - 1 && incl < need) sh.dec_found = 0;  // the only writer in that case
+  }
+  __syncthreads();
+  // The fields are rewritten only after the next cluster barrier, which every thread of this
+  // CTA reaches after reading them here.
+  return Digit{sh.dec_bin, sh.dec_above, sh.dec_cnt, sh.dec_found != 0};
+}
+
+// Bitonic sort, descending, of keys[0, n2) (n2 a power of two <= kCap) held in registers: thread
+// t holds element t + q * kThreads in v[q] for q < max(1, n2 / kThreads); threads whose elements
+// lie at or above n2 hold anything and only ever exchange with each other.  Strides below 32
+// use shuffles, strides >= kThreads stay in the thread, the rest go through buf[kCap].
+__device__ __forceinline__ uint64_t keep(uint64_t mine, uint64_t other, int i, int size, int stride) {
+  const bool desc = (i & size) == 0, lower = (i & stride) == 0;  // lower index keeps the larger key
+  return (lower == desc) ? (mine > other ? mine : other) : (mine < other ? mine : other);
+}
+__device__ __forceinline__ void cmpx(uint64_t& lo, uint64_t& hi, bool desc) {
+  if (desc ? lo < hi : lo > hi) {
+    const uint64_t x = lo;
+    lo = hi;
+    hi = x;
+  }
+}
+__device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
+  const int t = threadIdx.x;
+  const int Q = n2 > kThreads ? n2 / kThreads : 1;
+  for (int size = 2; size <= n2; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (stride >= kThreads) {  // partner q ^ (stride / kThreads) in this thread; i & size is
+        if (stride == kThreads) {  // the same for both elements of a pair
+          cmpx(v[0], v[1], ((t + 0 * kThreads) & size) == 0);
+          if (Q == 4) cmpx(v[2], v[3], ((t + 2 * kThreads) & size) == 0);
+        } else {  // stride == 2 * kThreads, Q == 4
+          cmpx(v[0], v[2], ((t + 0 * kThreads) & size) == 0);
+          cmpx(v[1], v[3], ((t + 1 * kThreads) & size) == 0);
         }
-        if (valid) ord4[v] = o.u;
+      } else if (stride >= 32) {
+        __syncthreads();  // the previous stage's reads are done
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) buf[t + q * kThreads] = v[q];
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) {
+            const int i = t + q * kThreads;
+            v[q] = keep(v[q], buf[i ^ stride], i, size, stride);
+          }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (q < Q) {
+            const int i = t + q * kThreads;
+            v[q] = keep(v[q], __shfl_xor_sync(0xFFFFFFFFu, v[q], stride), i, size, stride);
+          }
       }
-    }
-    done = nvec * kVec;
-  }
-  for (int i0 = done; i0 < n; i0 += kChunkThreads) {
-    const int i = i0 + int(threadIdx.x);
-    const bool valid = i < n;
-    const uint32_t r = valid ? uint32_t(src[i]) : 0u;
-    const uint32_t key = Tr::orderable(r);
-    if (valid) {
-      tmax = fmaxf(tmax, Tr::to_float(r));
-      ord[i] = Raw(key);
-    }
-    hist_add(sh.hist, valid, key >> kFirstShift);
-  }
-  const float m = block_max<kChunkThreads>(tmax, sh);  // its barrier also publishes ord[]
-
-  // sum(exp(x - chunk max)); -inf entries add 0, an all -inf chunk has sum 0.
-  float s = 0.0f;
-  if (m != -INFINITY)
-    for (int i = threadIdx.x; i < n; i += kChunkThreads) s += expf(Tr::to_float(Tr::from_orderable(ord[i])) - m);
-  s = block_sum_to_thread0<kChunkThreads>(s, sh);
-  if (threadIdx.x == 0) stats[row * S + c] = make_float2(m, s);
-  if (k_eff == 0) return;
-
-  using Key = typename Tr::ChunkKey;
-  const int iters = (n + kChunkThreads - 1) / kChunkThreads;
-  auto key_at = [&](int j, Key& key) -> bool {
-    const int i = j * kChunkThreads + int(threadIdx.x);
-    if (i >= n) {
-      key = 0;
-      return false;
-    }
-    key = (Key(ord[i]) << kChunkIdBits) | Key(kMaxChunk - 1 - i);
-    return true;
-  };
-  constexpr int kBitsChunk = Tr::kBits + kChunkIdBits;
-  static_assert(kBitsChunk <= 8 * int(sizeof(Key)), "chunk key type too narrow");
-  Key prefix = 0;
-  int shift = kBitsChunk;  // with prefix 0: take everything
-  if (k_eff < n)
-    radix_select<kChunkThreads, 0>(sh, key_at, iters, kBitsChunk, uint32_t(k_eff), true, prefix, shift);
-  if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
-  for (int j = 0; j < iters; ++j) {
-    Key key;
-    const bool take = key_at(j, key) && shr(key, shift) >= prefix;
-    const int pos = warp_claim(take, &sh.count);
-    if (take && pos < k_eff) {
-      const int i = j * kChunkThreads + int(threadIdx.x);
-      out[pos] = (uint64_t(ord[i]) << kRowIdBits) | uint64_t((1 << kRowIdBits) - 1 - (c0 + i));
     }
   }
 }
 
+// Thread t of the CTA with cluster rank c holds NV slots of W = Tr::kVec consecutive entries:
+// slot j covers chunk entries [(j * kThreads + t) * W, +W), chunk = row entries [c * C, c * C + n).
+// Keys are orderable value bits (bf16: two 16-bit keys per word, the even entry in the low half;
+// float32: one per word); 0 marks no entry (real keys are >= 0x7F: -inf maps there).
 template <typename Tr>
-__global__ void __launch_bounds__(kRowThreads, 1)
-topk_row_kernel(const uint64_t* __restrict__ cand, const float2* __restrict__ stats, int S, int k,
-                int64_t vocab_start, bool partial, float* __restrict__ out_val, int64_t* __restrict__ out_id,
-                float* __restrict__ out_lse) {
-  __shared__ SelectShared sh;
-  __shared__ uint64_t sorted[kRowThreads];
-  __shared__ float row_max, row_logsum;
-  const int64_t row = blockIdx.x;
-  const int ncand = S * k;
-  const int n2 = next_pow2(k);
-  sorted[threadIdx.x] = 0;
-  if (threadIdx.x < 32) {  // S <= 32 chunk statistics -> row max and sum(exp(x - max))
-    const int lane = threadIdx.x;
-    const float2 st = lane < S ? stats[row * S + lane] : make_float2(-INFINITY, 0.0f);
-    float m = st.x;
+struct Slots;
+template <>
+struct Slots<Bf16> {
+  __device__ static uint32_t get(const uint4& s, int e) { return ((&s.x)[e >> 1] >> (16 * (e & 1))) & 0xFFFFu; }
+  __device__ static void convert(uint4& s, int nvalid) {  // raw bf16 bits -> keys
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-    float s = st.x == -INFINITY ? 0.0f : (st.x == m ? st.y : st.y * expf(st.x - m));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, off);
-    if (lane == 0) {
-      row_max = m;
-      row_logsum = logf(s);
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t raw = (&s.x)[w];
+      const uint32_t lo = 2 * w < nvalid ? Bf16::orderable(raw & 0xFFFFu) : 0u;
+      const uint32_t hi = 2 * w + 1 < nvalid ? Bf16::orderable(raw >> 16) : 0u;
+      (&s.x)[w] = lo | (hi << 16);
     }
   }
-  const uint64_t* mine = cand + row * int64_t(ncand);
-  uint64_t keys[kRowItems];
+  __device__ static uint32_t top16(uint32_t key) { return key; }
+};
+template <>
+struct Slots<F32> {
+  __device__ static uint32_t get(const uint4& s, int e) { return (&s.x)[e]; }
+  __device__ static void convert(uint4& s, int nvalid) {
 #pragma unroll
-  for (int j = 0; j < kRowItems; ++j) {
-    const int i = j * kRowThreads + int(threadIdx.x);
-    keys[j] = i < ncand ? mine[i] : 0;
+    for (int w = 0; w < 4; ++w) (&s.x)[w] = w < nvalid ? F32::orderable((&s.x)[w]) : 0u;
   }
-  auto key_at = [&](int j, uint64_t& key) -> bool {
-    key = keys[j];
-    return key != 0;
+  __device__ static uint32_t top16(uint32_t key) { return key >> 16; }
+};
+
+// An empty asm that "rewrites" the slots: values unpacked from them in one pass cannot be kept
+// alive into the next (the compiler would otherwise hold every unpacked key and spill).
+template <int NV>
+__device__ __forceinline__ void launder(uint4 (&s)[NV]) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) asm volatile("" : "+r"(s[j].x), "+r"(s[j].y), "+r"(s[j].z), "+r"(s[j].w));
+}
+
+template <typename Tr>
+__device__ __forceinline__ float key_to_float(uint32_t key) {
+  return Tr::to_float(Tr::from_orderable(key));
+}
+
+template <typename Tr, int NV>
+__global__ void __launch_bounds__(kThreads, (NV * Tr::kVec <= 40) ? 2 : 1)  // 2 CTAs per SM up to V = 163840
+topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int S, int k, bool vec_ok,
+                    int64_t vocab_start, bool partial, float* __restrict__ out_val, int64_t* __restrict__ out_id,
+                    float* __restrict__ out_lse) {
+  using Raw = typename Tr::Raw;
+  using Sl = Slots<Tr>;
+  constexpr int W = Tr::kVec;
+  constexpr int kKeyBits = Tr::kBits + kIdBits;
+  __shared__ TopkShared sh;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t row = blockIdx.x / S;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int c0 = rank * C;
+  const int n = max(0, min(V - c0, C));
+  const Raw* src = logits + row * int64_t(V) + c0;
+
+  (&sh.hist[0][0])[t] = 0;
+
+  // ---- load: 16-byte loads of whole slots where aligned, scalar loads for the rest ----
+  uint4 s[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int slot = j * kThreads + t;
+    s[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (vec_ok && (slot + 1) * W <= n) s[j] = __ldg(reinterpret_cast<const uint4*>(src) + slot);
+  }
+  if (!vec_ok || n % W != 0) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int base = (j * kThreads + t) * W;
+      if (!(vec_ok && base + W <= n) && base < n) {
+        Raw r[W];
+#pragma unroll
+        for (int e = 0; e < W; ++e) r[e] = base + e < n ? src[base + e] : Raw(0);
+        if constexpr (W == 8) {
+          s[j] = make_uint4(r[0] | (uint32_t(r[1]) << 16), r[2] | (uint32_t(r[3]) << 16),
+                            r[4] | (uint32_t(r[5]) << 16), r[6] | (uint32_t(r[7]) << 16));
+        } else {
+          s[j] = make_uint4(r[0], r[1], r[2], r[3]);
+        }
+      }
+    }
+  }
+  uint32_t tmax = 0;  // this thread's largest key (0: it holds no entry)
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    Sl::convert(s[j], n - (j * kThreads + t) * W);
+#pragma unroll
+    for (int e = 0; e < W; ++e) tmax = max(tmax, Sl::get(s[j], e));
+  }
+  const uint32_t wmax = __reduce_max_sync(0xFFFFFFFFu, tmax);
+  if (lane == 0) sh.warp_u[warp] = wmax;
+  __syncthreads();  // histograms zeroed, warp maxima published
+
+  // ---- threshold: the k-th largest thread maximum, on 16 key bits (two 8-bit rounds) ----
+  // At least k entries (those maxima) are >= it, so every top-k entry is: it is a valid lower
+  // bound for the candidates, and with many more threads than k it keeps about 1.15 k entries.
+  const uint32_t m16 = Sl::top16(tmax);
+  if (tmax != 0) atomicAdd(&sh.hist[0][m16 >> 8], 1u);
+  uint32_t ckey = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) ckey = max(ckey, sh.warp_u[w]);
+  const float cmax = ckey == 0 ? -INFINITY : key_to_float<Tr>(ckey);
+  float tsum = 0.0f;  // sum(exp(x - CTA max)), overlapping the cluster barrier below
+  launder(s);
+  if (cmax != -INFINITY) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        const uint32_t key = Sl::get(s[j], e);
+        const float p = __expf(key_to_float<Tr>(key) - cmax);
+        tsum += key != 0 ? p : 0.0f;
+      }
+  }
+  int round = 0;  // cluster_pick rounds so far: round r counts into hist[r & 1]
+  uint32_t tau = 1;  // candidates: key >= tau (1: every entry)
+  {
+    uint32_t need = uint32_t(k);
+    const Digit hi = cluster_pick(cluster, sh, sh.hist[0], S, need);
+    ++round;
+    if (hi.found) {  // otherwise fewer than k threads hold entries: keep them all
+      need -= hi.above;
+      if (tmax != 0 && (m16 >> 8) == hi.bin) atomicAdd(&sh.hist[1][m16 & 0xFFu], 1u);
+      const Digit lo = cluster_pick(cluster, sh, sh.hist[1], S, need);
+      ++round;
+      const uint32_t t16 = (hi.bin << 8) | lo.bin;  // lo.found: bin hi.bin holds >= need maxima
+      tau = max(1u, Tr::kBits == 16 ? t16 : t16 << 16);
+    }
+  }
+
+  // Candidate filter: key >= tau, and (after a refinement) full key >= floor_key:floor_id.
+  bool refined = false;
+  uint32_t floor_key = 0, floor_id = 0;
+  auto id_key = [&](int base, int j, int e) -> uint32_t { return kIdMask - uint32_t(base + (j * kThreads + t) * W + e); };
+  auto passes = [&](int j, int e) -> bool {
+    const uint32_t key = Sl::get(s[j], e);
+    return key >= tau && (!refined || key > floor_key || (key == floor_key && id_key(c0, j, e) >= floor_id));
   };
-  uint64_t prefix;
-  int shift;
-  radix_select<kRowThreads, kRowItems>(sh, key_at, kRowItems, Tr::kBits + kRowIdBits, uint32_t(k), false, prefix,
-                                       shift);
-  if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
+
+  // Counts this thread's candidates, its first slot among the CTA's, the CTA's and the cluster's
+  // totals and this CTA's first slot in the leader's cand[] (sh.cta_offset, sh.total).
+  auto count_and_exchange = [&](bool with_stats) -> uint32_t {
+    launder(s);
+    uint32_t cnt = 0;
 #pragma unroll
-  for (int j = 0; j < kRowItems; ++j) {
-    const bool take = keys[j] != 0 && shr(keys[j], shift) >= prefix;
-    const int pos = warp_claim(take, &sh.count);
-    if (take && pos < k) sorted[pos] = keys[j];
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int e = 0; e < W; ++e) cnt += passes(j, e) ? 1u : 0u;
+    uint32_t incl = cnt;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+      if (lane >= off) incl += x;
+    }
+    if (lane == 31) sh.warp_u[warp] = incl;
+    if (with_stats) {
+      float ws = tsum;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
+      if (lane == 0) sh.warp_f[warp] = ws;
+    }
+    __syncthreads();
+    uint32_t before = 0, cta_total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const uint32_t c = sh.warp_u[w];
+      before += w < warp ? c : 0u;
+      cta_total += c;
+    }
+    if (t == 0) {
+      sh.cta_count = cta_total;
+      if (with_stats) {
+        float cs = 0.0f;
+        for (int w = 0; w < kWarps; ++w) cs += sh.warp_f[w];
+        sh.cta_max = cmax;
+        sh.cta_sum = cmax == -INFINITY ? 0.0f : cs;
+      }
+    }
+    cluster.sync();
+    if (warp == 0) {
+      const uint32_t c = lane < S ? *cluster.map_shared_rank(&sh.cta_count, lane) : 0u;
+      const uint32_t off = __reduce_add_sync(0xFFFFFFFFu, lane < rank ? c : 0u);
+      const uint32_t total = __reduce_add_sync(0xFFFFFFFFu, c);
+      if (lane == 0) {
+        sh.cta_offset = off;
+        sh.total = total;
+      }
+    }
+    if (with_stats && rank == 0 && warp == 1) {  // the row's max and log(sum(exp(x - max)))
+      const float m = lane < S ? *cluster.map_shared_rank(&sh.cta_max, lane) : -INFINITY;
+      const float sm = lane < S ? *cluster.map_shared_rank(&sh.cta_sum, lane) : 0.0f;
+      float rm = m;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
+      // the CTA holding the row max contributes its exp(x - max) terms unscaled
+      float part = m == -INFINITY ? 0.0f : (m == rm ? sm : sm * expf(m - rm));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, off);
+      if (lane == 0) {
+        sh.row_max = rm;
+        sh.row_logsum = logf(part);
+      }
+    }
+    __syncthreads();
+    return before + incl - cnt;
+  };
+
+  uint32_t first = count_and_exchange(true);
+  if (sh.total > uint32_t(kCap)) {
+    // Too many entries tie with or sit above tau (ties, flat rows): select on the full keys
+    // (value, then lower id) among them, 8 bits a round, until at most kCap remain.  Keys are
+    // distinct, so the last digit leaves exactly k.
+    uint32_t need = uint32_t(k), above = 0;
+    uint64_t prefix = 0;  // the top kKeyBits - shift bits of the need-th largest key
+    int shift = kKeyBits;
+    while (true) {
+      const int d = shift < 8 ? shift : 8;
+      const int low = shift - d;
+      uint32_t* h = sh.hist[round & 1];
+      if (t < kDigitBins) h[t] = 0;  // its last readers passed the cluster barrier of the last round
+      __syncthreads();
+      int base = c0;
+      asm volatile("" : "+r"(base));  // keeps the 64-bit keys from being hoisted (and held) across rounds
+      launder(s);
+#pragma unroll
+      for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+          const uint32_t key = Sl::get(s[j], e);
+          const uint64_t f = (uint64_t(key) << kIdBits) | id_key(base, j, e);
+          if (key >= tau && (f >> shift) == prefix) atomicAdd(&h[uint32_t(f >> low) & ((1u << d) - 1u)], 1u);
+        }
+      const Digit g = cluster_pick(cluster, sh, h, S, need);
+      ++round;
+      prefix = (prefix << d) | (g.found ? g.bin : 0u);
+      shift = low;
+      if (!g.found) break;  // inconsistent counts (never for valid inputs); keeps the loop finite
+      above += g.above;
+      need -= g.above;
+      if (above + g.cnt <= uint32_t(kCap) || shift == 0) break;
+    }
+    // keys >= prefix << shift: exactly the above + cnt entries the last round counted
+    const uint64_t lo = prefix << shift;
+    floor_key = uint32_t(lo >> kIdBits);
+    floor_id = uint32_t(lo) & kIdMask;
+    refined = true;
+    first = count_and_exchange(false);
   }
-  __syncthreads();
-  const uint64_t key = bitonic_sort_desc_1024(sorted[threadIdx.x], sorted, n2);
-  const float m = row_max, ls = row_logsum;
-  if (int(threadIdx.x) < k) {
-    const int i = threadIdx.x;
-    const int id = (1 << kRowIdBits) - 1 - int(key & ((1u << kRowIdBits) - 1u));
-    const float x = Tr::to_float(Tr::from_orderable(uint32_t(key >> kRowIdBits)));
-    const int64_t o = row * k + i;
-    out_val[o] = partial ? x : (x - m) - ls;  // torch.log_softmax's (x - max) - log(sum)
-    out_id[o] = vocab_start + id;
+
+  // ---- gather into the leader's cand[] (distributed shared memory) ----
+  {
+    launder(s);
+    uint64_t* dst = cluster.map_shared_rank(sh.cand, 0);
+    uint32_t pos = sh.cta_offset + first;
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int e = 0; e < W; ++e)
+        if (passes(j, e)) {
+          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(Sl::get(s[j], e)) << kIdBits) | id_key(c0, j, e);
+          ++pos;
+        }
   }
-  if (partial && threadIdx.x == 0) out_lse[row] = ls + m;  // torch.logsumexp's log(sum) + max
+  const int ncand = int(min(sh.total, uint32_t(kCap)));
+  cluster.sync();  // candidates in place; no CTA touches another's shared memory after this
+  if (rank != 0) return;
+
+  // ---- leader: sort the candidates, write the top k ----
+  int n2 = 1;
+  while (n2 < ncand) n2 <<= 1;
+  uint64_t v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int i = t + q * kThreads;
+    v[q] = i < ncand ? sh.cand[i] : 0;  // 0 sorts below every real key
+  }
+  bitonic_sort_regs(v, n2, sh.cand);
+  const float m = sh.row_max, ls = sh.row_logsum;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int i = t + q * kThreads;
+    if (i < k) {
+      const uint64_t key = v[q];
+      const float x = key_to_float<Tr>(uint32_t(key >> kIdBits));
+      const int64_t o = row * k + i;
+      out_val[o] = partial ? x : (x - m) - ls;  // torch.log_softmax's (x - max) - log(sum)
+      out_id[o] = vocab_start + int64_t(kIdMask - uint32_t(key & kIdMask));
+    }
+  }
+  if (partial && t == 0) out_lse[row] = ls + m;  // torch.logsumexp's log(sum) + max
 }
 
 __global__ void __launch_bounds__(kRowThreads, 1)
@@ -523,16 +737,20 @@ topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// S chunks of C entries (C a multiple of 8 so chunk starts keep 16-byte alignment), with
-// C <= kMaxChunk, S <= 32 and S*k <= kMaxCandidates.
-void plan_chunks(int64_t V, int64_t k, int& S, int& C) {
-  const int64_t by_vocab = ceil_div(V, kChunkTarget);
-  const int64_t by_k = std::max<int64_t>(1, kMaxCandidates / k);
-  const int64_t s = std::max<int64_t>(1, std::min(by_vocab, by_k));
-  const int64_t c = ceil_div(ceil_div(V, s), 8) * 8;
-  S = int(ceil_div(V, c));  // no empty chunk
-  C = int(c);
-  TORCH_INTERNAL_ASSERT(C <= kMaxChunk && S <= 32 && int64_t(S) * k <= kMaxCandidates, "draft_topk chunk plan");
+// S CTAs per row (a power of two <= 8: about two 16-byte loads per thread each, so V=163840 bf16
+// takes S=8), C entries each (a multiple of 8: chunk starts keep 16-byte alignment), and the
+// slots per thread nv >= C / (W * kThreads) the kernel must hold (rounded up to an instance).
+struct ClusterPlan {
+  int S, C, nv;
+};
+ClusterPlan plan_cluster(int64_t V, int W) {
+  const int64_t want = ceil_div(V, int64_t(kThreads) * W * 2);
+  int S = 1;
+  while (S < want && S < kMaxCluster) S <<= 1;
+  const int64_t C = ceil_div(ceil_div(V, S), 8) * 8;
+  const int64_t nv = ceil_div(ceil_div(C, W), kThreads);
+  TORCH_INTERNAL_ASSERT(C * S >= V && nv * W <= 64, "draft_topk cluster plan");
+  return {S, int(C), int(nv)};
 }
 
 void check_logits(const char* op, const at::Tensor& logits, int64_t k) {
@@ -548,44 +766,48 @@ void check_logits(const char* op, const at::Tensor& logits, int64_t k) {
   KD_CHECK(k <= V, op, ": k = ", k, " exceeds the vocabulary size V = ", V);
 }
 
-template <typename Tr>
-void launch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool partial, at::Tensor& out_val,
-                 at::Tensor& out_id, at::Tensor& out_lse) {
+template <typename Tr, int NV>
+void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& plan, int64_t k, int64_t vocab_start,
+                    bool partial, at::Tensor& out_val, at::Tensor& out_id, at::Tensor& out_lse) {
   using Raw = typename Tr::Raw;
-  const int64_t rows = logits.size(0) * logits.size(1);
-  const int64_t V = logits.size(2);
-  if (rows == 0) return;
-  KD_CHECK(rows <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
-  int S, C;
-  plan_chunks(V, k, S, C);
-  auto opts = logits.options();
-  at::Tensor cand = at::empty({rows, S, k}, opts.dtype(at::kLong));
-  at::Tensor stats = at::empty({rows, S, 2}, opts.dtype(at::kFloat));
+  const int V = int(logits.size(2));
   const bool vec_ok = V % Tr::kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
-  const size_t smem = size_t(C) * sizeof(Raw);
-  auto chunk_kernel = topk_chunk_kernel<Tr>;
-  // Static + dynamic shared memory can pass 48 KB even when the dynamic part alone does not
-  // (seen on the H200: bf16 chunks of 32 KB failed to launch), so always opt in.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  chunk_kernel<<<dim3(unsigned(rows), unsigned(S)), kChunkThreads, smem, stream>>>(
-      reinterpret_cast<const Raw*>(logits.data_ptr()), int(V), C, S, int(k), vec_ok,
-      reinterpret_cast<uint64_t*>(cand.data_ptr<int64_t>()), reinterpret_cast<float2*>(stats.data_ptr<float>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  topk_row_kernel<Tr><<<unsigned(rows), kRowThreads, 0, stream>>>(
-      reinterpret_cast<const uint64_t*>(cand.data_ptr<int64_t>()), reinterpret_cast<const float2*>(stats.data_ptr<float>()),
-      S, int(k), vocab_start, partial, out_val.data_ptr<float>(), out_id.data_ptr<int64_t>(),
-      partial ? out_lse.data_ptr<float>() : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(rows * plan.S));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(plan.S);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_cluster_kernel<Tr, NV>, reinterpret_cast<const Raw*>(logits.data_ptr()),
+                                    V, plan.C, plan.S, int(k), vec_ok, vocab_start, partial,
+                                    out_val.data_ptr<float>(), out_id.data_ptr<int64_t>(),
+                                    partial ? out_lse.data_ptr<float>() : static_cast<float*>(nullptr)));
 }
 
 void dispatch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool partial, at::Tensor& out_val,
                    at::Tensor& out_id, at::Tensor& out_lse) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  if (logits.scalar_type() == at::kBFloat16)
-    launch_topk<Bf16>(logits, k, vocab_start, partial, out_val, out_id, out_lse);
-  else
-    launch_topk<F32>(logits, k, vocab_start, partial, out_val, out_id, out_lse);
+  const int64_t rows = logits.size(0) * logits.size(1);
+  if (rows == 0) return;
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const ClusterPlan plan = plan_cluster(logits.size(2), bf16 ? Bf16::kVec : F32::kVec);
+  KD_CHECK(rows * plan.S <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
+  // Instances: bf16 nv in {2, 5, 8} (V <= 65536, V = 163840, V <= 262144); float32 {4, 10, 16}.
+  if (bf16) {
+    if (plan.nv <= 2) launch_cluster<Bf16, 2>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else if (plan.nv <= 5) launch_cluster<Bf16, 5>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else launch_cluster<Bf16, 8>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+  } else {
+    if (plan.nv <= 4) launch_cluster<F32, 4>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else if (plan.nv <= 10) launch_cluster<F32, 10>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else launch_cluster<F32, 16>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> draft_topk_cuda(const at::Tensor& logits, int64_t k) {
