@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch_kdtree.ops import ddtree_build, ddtree_build_reference
 
 from .conftest import poison_cuda_allocator, requires_cuda
-from .ddtree_oracles import build_oracle, random_logprobs
+from .ddtree_oracles import DRAFT_KINDS, build_oracle, draft_logprobs, random_logprobs
 
 
 def _check_against_oracle(lp, ids, roots, budget):
@@ -206,6 +206,30 @@ def test_cuda_kernel_peaked_rows_overflow_the_register_list(fresh_seed):
         out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
         for name, a, b in zip(ref._fields, ref, out):
             assert torch.equal(a, b.cpu()), f"{name} differs at budget {budget} (seed {fresh_seed})"
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("R,L,K,budget", [
+    (3, 15, 16, 16),      # token ids cached in shared memory (L * K <= 2048)
+    (3, 15, 64, 64),
+    (2, 15, 256, 256),    # ids gathered from global memory
+    (2, 15, 1024, 1024),  # 60 KB of lp in dynamic shared memory; list full, pool spills
+    (2, 32, 1024, 1024),  # lp rows cut to 640 ranks: higher ranks read from global memory
+    (3, 4, 7, 1024),      # rank space exhausted before the budget (padding)
+    (2, 3, 2, 30),
+])
+def test_cuda_kernel_bit_identical_on_shaped_drafts(kind, R, L, K, budget, fresh_seed):
+    # chains (peaked, lp = 0 children tying their parents), wide sibling runs (flat), heavy
+    # ties and all-equal scores with -0.0 entries (ties, zeros): every pop path of the loop
+    g = torch.Generator().manual_seed(fresh_seed)
+    lp, ids = draft_logprobs(kind, R, L, K, g)
+    roots = torch.randint(0, 1000, (R,), generator=g)
+    ref = ddtree_build_reference(lp, ids, roots, budget)
+    poison_cuda_allocator()
+    out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
+    for name, a, b in zip(ref._fields, ref, out):
+        assert torch.equal(a, b.cpu()), f"{name} differs ({kind}, seed {fresh_seed})"
 
 
 @requires_cuda

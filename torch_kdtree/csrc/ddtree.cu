@@ -3,11 +3,23 @@
 //
 // ddtree_build: one block per request.  Warp 0 runs the best-first loop; the other warps clear
 // the [N, N] visibility matrix meanwhile.  The loop is latency-bound (each pop depends on the
-// last), so the candidate set lives mostly in registers: a sorted list of up to 32 keys, one
-// per lane.  A step pops the head and merges the (at most two) new candidates, its sibling and
-// first child, with two ballots and a few shuffles.  Keys pushed past lane 31 go to an unsorted
-// overflow pool in shared memory whose best key is tracked; a pop takes min(list head, pool
-// best), and only a pop from the pool rescans it (warp-parallel, 32-bit redux).
+// last), so it is written around its dependency chain:
+//  - `cur`, the next key to pop, is held by every lane (no broadcast on the chain).  A pop
+//    decodes it, loads the parent's score and two log-probs from shared memory (every row of
+//    lp is cached there when it fits, up to 80 KB of dynamic shared memory), and forms the
+//    sibling key a and the first-child key b.  The next `cur` is min(a, b, list head, pool
+//    best); the list head is kept uniform too (computed from the old list's lanes 0 and 1).
+//  - The rest of the frontier lives in a sorted list of up to 32 keys, one per lane: per pop it
+//    loses its head if that was chosen and gains the (one or two) new keys not chosen, with two
+//    ballots and a few shuffles.  Peaked drafts mostly pop a or b (a chain), which costs one
+//    insert.  This update is off the `cur` chain: the next pop needs only the new head.
+//  - Keys pushed past lane 31 go to an unsorted overflow pool in shared memory whose best key
+//    is tracked; only a pop from the pool rescans it (warp-parallel, 32-bit redux).
+// What bounds it: the per-pop chain (decode, one shared-memory load, two float adds, key
+// compares: ~100-150 cycles) plus the list update issued by the same warp; a pop from the pool
+// adds a rescan of pool/32 loads per lane.  Fixed costs: the launch, one global round trip for
+// lp (and, when L*K <= 2048, the token ids, so the outputs need no second round trip), the
+// output stores and the ancestor walk of every visibility row (depth <= L steps).
 // A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word starts with
 // parent, then rank, which is exactly the reference's order (score desc, parent asc, rank asc).
 //
@@ -24,6 +36,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kdtree {
@@ -34,50 +47,50 @@ constexpr int kMaxNodes = kMaxBudget + 1;
 constexpr int kMaxDepth = 32;
 constexpr int kMaxK = 1024;
 constexpr int kBuildThreads = 256;
-constexpr int kLpCacheFloats = 6144;  // 24 KB of log-probs cached in shared memory (48 KB static total)
+constexpr int kLpCacheMaxFloats = 20480;  // 80 KB of dynamic shared memory for lp rows
+constexpr int kIdsCacheMax = 2048;        // token ids cached too when L*K <= this (16 KB)
 constexpr uint64_t kEmpty = ~0ull;
 
-__device__ __forceinline__ uint32_t orderable(float f) {
-  if (f == 0.0f) f = 0.0f;  // -0 and +0 compare equal in the reference
-  uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 __device__ __forceinline__ float from_orderable(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
 // Low word: parent (11 bits) | rank (10 bits) | depth (6 bits).  Depth is a function of the
-// parent, so it never decides an order; it rides along to save a shared-memory load.
+// parent, so it never decides an order; it rides along to save a shared-memory load.  The low
+// word is also what a node keeps (node_info) once popped.
+// The high word is ~orderable(score), orderable = the float's bits mapped so that unsigned order
+// is float order.  The score must not be -0 (which would sort apart from +0): the loop's scores
+// are float sums whose left operand is never -0, so they never are; the first one is +0-fixed.
 __device__ __forceinline__ uint64_t make_key(float score, int parent, int rank, int depth) {
-  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 16) | (uint32_t(rank) << 6) | uint32_t(depth);
+  const uint32_t u = __float_as_uint(score);
+  const uint32_t ord = u ^ (uint32_t(int32_t(u) >> 31) | 0x80000000u);
+  return (uint64_t(~ord) << 32) | (uint32_t(parent) << 16) | (uint32_t(rank) << 6) | uint32_t(depth);
 }
 __device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
   return __shfl_sync(0xffffffffu, v, src);
 }
-__device__ __forceinline__ uint64_t warp_min64(uint64_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    uint64_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o < v ? o : v;
-  }
-  return v;
-}
+__device__ __forceinline__ uint64_t min64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint64_t max64(uint64_t a, uint64_t b) { return a < b ? b : a; }
 
 struct BuildShared {
   float node_score[kMaxNodes];
-  int16_t node_parent[kMaxNodes];
-  int16_t node_rank[kMaxNodes];
-  int8_t node_depth[kMaxNodes];
+  uint32_t node_info[kMaxNodes];  // the popped key's low word: parent | rank | depth
   uint64_t pool[kMaxNodes + 1];
-  float lp[kLpCacheFloats];
   int num_nodes;
 };
 
+// Dynamic shared memory: lp[L][kc] floats (rows cut to their first kc ranks when L*K does not
+// fit), then, when cache_ids, ids[L][K] int64 at a 16-byte aligned offset.
+__host__ __device__ inline int lp_cache_bytes(int L, int kc) { return (L * kc * 4 + 15) & ~15; }
+
 __global__ void __launch_bounds__(kBuildThreads)
 ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restrict__ token_ids,
-                    const int64_t* __restrict__ root_tokens, int L, int K, int budget,
+                    const int64_t* __restrict__ root_tokens, int L, int K, int kc, int cache_ids, int budget,
                     int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
                     int32_t* __restrict__ depths, bool* __restrict__ visible) {
   __shared__ BuildShared sh;
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  float* lp_s = reinterpret_cast<float*>(dyn_smem);
+  int64_t* ids_s = reinterpret_cast<int64_t*>(dyn_smem + lp_cache_bytes(L, kc));
   const int r = blockIdx.x;
   const int N = budget + 1;
   const float* lp_g = logprobs + int64_t(r) * L * K;
@@ -86,29 +99,34 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 
-  // Cache the first kc columns of every depth's row.
-  const int kc = min(K, kLpCacheFloats / L);
-  for (int i = threadIdx.x; i < L * kc; i += blockDim.x) sh.lp[i] = lp_g[(i / kc) * K + i % kc];
+  // One global round trip for everything the loop (and, when small, the output) reads.
+  const int64_t root_token = threadIdx.x == 0 ? root_tokens[r] : 0;
+  if (kc == K) {
+    for (int i = threadIdx.x; i < L * K; i += blockDim.x) lp_s[i] = lp_g[i];
+  } else {
+    for (int i = threadIdx.x; i < L * kc; i += blockDim.x) lp_s[i] = lp_g[(i / kc) * K + i % kc];
+  }
+  if (cache_ids)
+    for (int i = threadIdx.x; i < L * K; i += blockDim.x) ids_s[i] = ids_g[i];
   __syncthreads();
 
   if (warp == 0) {
-    auto lp_at = [&](int d, int rank) -> float {
-      return rank < kc ? sh.lp[d * kc + rank] : __ldg(lp_g + d * K + rank);
-    };
-    const float lp_first = lane < L ? sh.lp[lane * kc] : 0.0f;  // lp[d][0], read by shuffle
-    uint64_t key = lane == 0 ? make_key(lp_first, 0, 0, 1) : kEmpty;  // sorted list, one per lane
+    constexpr unsigned kFull = 0xffffffffu;
+    // Every lane computes the same uniform values and stores the same value to the same shared
+    // address, and later reads back only what it wrote itself: no __syncwarp is needed.
+    sh.node_score[0] = 0.0f;
+    sh.node_info[0] = 0u;
+    // `cur`: the next key to pop (uniform).  lp[0][0] + 0 turns a -0 into +0; every later score
+    // is a float sum with a non-(-0) left operand, which is never -0 (see make_key).
+    uint64_t cur = make_key(__fadd_rn(lp_s[0], 0.0f), 0, 0, 1);
+    uint64_t key = kEmpty;        // sorted list, one key per lane
+    uint64_t head = kEmpty;       // the list's lane-0 key (uniform)
+    uint64_t pool_best = kEmpty;  // the pool's best key (uniform)
+    uint64_t rest = kEmpty;       // min(head, pool_best)
+    bool rest_in_list = false;    // head < pool_best
+    int len = 0;                  // keys in the list (uniform)
     int pool_size = 0;
-    uint64_t pool_best = kEmpty;
     int pool_best_idx = -1;
-    if (lane == 0) {
-      sh.node_score[0] = 0.0f;
-      sh.node_parent[0] = -1;
-      sh.node_rank[0] = 0;
-      sh.node_depth[0] = 0;
-    }
-    __syncwarp();
-    // Every lane stores the same value to the same shared address (no divergent lane-0
-    // branch, and each lane later reads back what it wrote itself, so no __syncwarp).
     auto push_pool = [&](uint64_t x) {
       if (x == kEmpty) return;
       sh.pool[pool_size] = x;
@@ -119,52 +137,55 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
       ++pool_size;
     };
     int n = 1;
-    while (n < N) {
-      // Neighbours in the list, fetched before they are needed (they depend only on `key`).
-      const uint64_t head = shfl64(key, 0);
-      uint64_t down1 = __shfl_down_sync(0xffffffffu, key, 1);
-      const uint64_t up1 = __shfl_up_sync(0xffffffffu, key, 1);
-      const uint64_t up2 = __shfl_up_sync(0xffffffffu, key, 2);
-      const uint64_t tail = shfl64(key, 31), tail1 = shfl64(key, 30);
-      if (lane == 31) down1 = kEmpty;
-      const bool from_pool = pool_best < head;
-      const uint64_t c = from_pool ? pool_best : head;
-      if (c == kEmpty) break;  // no candidates left: fewer than B nodes exist
-      const float s = from_orderable(~uint32_t(c >> 32));
-      const uint32_t lo = uint32_t(c);
+    for (; n < N; ++n) {
+      if (cur == kEmpty) break;  // no candidates left: fewer than B nodes exist
+      const uint64_t second = shfl64(key, 1);  // depends only on `key`: off the pop chain
+
+      const uint32_t lo = uint32_t(cur);
+      const float s = from_orderable(~uint32_t(cur >> 32));
       const int p = int(lo >> 16);
-      const int rank = int((lo >> 6) & 0x3ff);
-      const int d = int(lo & 0x3f);
+      const int rank = int((lo >> 6) & 0x3ffu);
+      const int d = int(lo & 0x3fu);
       const float sp = sh.node_score[p];
-      const float lp_sib = rank + 1 < K ? lp_at(d - 1, rank + 1) : 0.0f;
-      const float lp_child = __shfl_sync(0xffffffffu, lp_first, d & 31);
-      uint64_t a = rank + 1 < K ? make_key(__fadd_rn(sp, lp_sib), p, rank + 1, d) : kEmpty;
-      uint64_t b = d < L ? make_key(__fadd_rn(s, lp_child), n, 0, d + 1) : kEmpty;
-      if (b < a) {
-        const uint64_t t = a;
-        a = b;
-        b = t;
-      }
+      const int sib = min(rank + 1, K - 1);
+      float lp_sib;
+      if (sib < kc)
+        lp_sib = lp_s[(d - 1) * kc + sib];
+      else
+        lp_sib = __ldg(lp_g + (d - 1) * K + sib);
+      const float lp_child = lp_s[min(d, L - 1) * kc];
       sh.node_score[n] = s;
-      sh.node_parent[n] = int16_t(p);
-      sh.node_rank[n] = int16_t(rank);
-      sh.node_depth[n] = int8_t(d);
-      // Merge: M = (list minus its head if popped from it) + {a, b}, sorted; the list keeps
-      // M[0..31] and M[32..] goes to the pool.  a sits at pa, b at pb + 1.
-      const int drop = from_pool ? 0 : 1;
-      const int pa = __popc(__ballot_sync(0xffffffffu, key < a)) - drop;
-      const int pb = __popc(__ballot_sync(0xffffffffu, key < b)) - drop;
-      auto merged_at = [&](int i, uint64_t same, uint64_t prev, uint64_t prev2, uint64_t next) -> uint64_t {
-        if (i == pa) return a;
-        if (i == pb + 1) return b;
-        const int src_off = drop - (i > pa) - (i > pb + 1);  // old index = i + src_off
-        return src_off == 1 ? next : src_off == 0 ? same : src_off == -1 ? prev : prev2;
-      };
-      const uint64_t m = merged_at(lane, key, up1, up2, down1);
-      // M[32] and M[33]: their old-list sources are lanes 30..31 (or past the end).
-      const uint64_t ov0 = merged_at(32, kEmpty, tail, tail1, kEmpty);
-      const uint64_t ov1 = from_pool ? merged_at(33, kEmpty, kEmpty, tail, kEmpty) : kEmpty;
-      key = m;
+      sh.node_info[n] = lo;
+      const uint64_t a = rank + 1 < K ? make_key(__fadd_rn(sp, lp_sib), p, rank + 1, d) : kEmpty;
+      const uint64_t b = d < L ? make_key(__fadd_rn(s, lp_child), n, 0, d + 1) : kEmpty;
+      const uint64_t x = min64(a, b), y = max64(a, b);
+      // Next pop: the best of x and the rest (keys are unique, so x != rest unless both are
+      // empty).  The list loses its head when that is popped and gains the new keys not popped.
+      const bool chain = x < rest;
+      const int drop = (!chain && rest_in_list) ? 1 : 0;
+      const bool from_pool = !chain && !rest_in_list && rest != kEmpty;
+      const uint64_t next = chain ? x : rest;
+      const uint64_t ins1 = chain ? y : x;  // ins1 < ins2 unless both are empty
+      const uint64_t ins2 = chain ? kEmpty : y;
+      // Merge: M = (list minus its head if dropped) + {ins1, ins2}, sorted; the list keeps
+      // M[0..31] and M[32..] goes to the pool.  ins1 sits at pa, ins2 at pb + 1, and every
+      // other M[i] is the old key at i + drop - (i > pa) - (i > pb + 1).
+      const int pa = __popc(__ballot_sync(kFull, key < ins1)) - drop;
+      const int pb1 = __popc(__ballot_sync(kFull, key < ins2)) - drop + 1;
+      const int src = lane + drop - (lane > pa) - (lane > pb1);
+      const uint64_t moved = shfl64(key, src & 31);
+      const uint64_t merged = lane == pa ? ins1 : lane == pb1 ? ins2 : src > 31 ? kEmpty : moved;
+      const int len_new = len - drop + (ins1 != kEmpty) + (ins2 != kEmpty);
+      uint64_t ov0 = kEmpty, ov1 = kEmpty;
+      if (len_new > 32) {  // uniform: M[32] (and M[33] after a pop from the pool) spill
+        const int src32 = 32 + drop - (32 > pa) - (32 > pb1);
+        const uint64_t moved32 = shfl64(key, min(src32, 31));
+        ov0 = pa == 32 ? ins1 : pb1 == 32 ? ins2 : src32 > 31 ? kEmpty : moved32;
+        if (len_new > 33) ov1 = pb1 == 33 ? ins2 : shfl64(key, 31);  // only when drop == 0
+      }
+      head = min64(drop ? second : head, ins1);  // = M[0]
+      key = merged;
+      len = min(len_new, 32);
       if (from_pool) {
         sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
         --pool_size;
@@ -178,14 +199,16 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
             best_i = i;
           }
         }
-        const uint32_t hi_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32));
-        const uint32_t lo_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32) == hi_min ? uint32_t(best) : ~0u);
+        const uint32_t hi_min = __reduce_min_sync(kFull, uint32_t(best >> 32));
+        const uint32_t lo_min = __reduce_min_sync(kFull, uint32_t(best >> 32) == hi_min ? uint32_t(best) : ~0u);
         pool_best = (uint64_t(hi_min) << 32) | lo_min;
-        pool_best_idx = int(__reduce_min_sync(0xffffffffu, best == pool_best ? uint32_t(best_i) : ~0u));
+        pool_best_idx = int(__reduce_min_sync(kFull, best == pool_best ? uint32_t(best_i) : ~0u));
       }
       push_pool(ov0);
       push_pool(ov1);
-      ++n;
+      rest_in_list = head < pool_best;
+      rest = rest_in_list ? head : pool_best;
+      cur = next;
     }
     if (lane == 0) sh.num_nodes = n;
   } else {
@@ -206,13 +229,15 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
   for (int i = threadIdx.x; i < N; i += blockDim.x) {
     const int64_t o = int64_t(r) * N + i;
     if (i == 0) {
-      tokens[o] = root_tokens[r];
+      tokens[o] = root_token;  // thread 0 loaded it
       parents[o] = -1;
       depths[o] = 0;
     } else if (i < built) {
-      const int d = sh.node_depth[i];
-      tokens[o] = ids_g[(d - 1) * K + sh.node_rank[i]];
-      parents[o] = sh.node_parent[i];
+      const uint32_t info = sh.node_info[i];
+      const int d = int(info & 0x3fu);
+      const int at = (d - 1) * K + int((info >> 6) & 0x3ffu);
+      tokens[o] = cache_ids ? ids_s[at] : ids_g[at];
+      parents[o] = int(info >> 16);
       depths[o] = d;
     } else {
       tokens[o] = -1;
@@ -221,7 +246,11 @@ ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restric
     }
     bool* row = vis + int64_t(i) * N;
     if (i < built) {
-      for (int a = i; a >= 0; a = sh.node_parent[a]) row[a] = true;
+      row[i] = true;
+      for (int a = i; a > 0;) {
+        a = int(sh.node_info[a] >> 16);
+        row[a] = true;
+      }
     } else {
       row[i] = true;
     }
@@ -331,10 +360,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
   at::Tensor depths = at::empty({R, N}, opts.dtype(at::kInt));
   at::Tensor visible = at::empty({R, N, N}, opts.dtype(at::kBool));
   if (R > 0) {
-    ddtree_build_kernel<<<R, kBuildThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    const int kc = int(std::min<int64_t>(K, kLpCacheMaxFloats / L));
+    const int cache_ids = L * K <= kIdsCacheMax ? 1 : 0;
+    const int smem = lp_cache_bytes(int(L), kc) + (cache_ids ? int(L * K) * 8 : 0);
+    if (smem > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(ddtree_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    ddtree_build_kernel<<<R, kBuildThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         logprobs.data_ptr<float>(), token_ids.data_ptr<int64_t>(), root_tokens.data_ptr<int64_t>(), int(L),
-        int(K), int(budget), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), depths.data_ptr<int32_t>(),
-        visible.data_ptr<bool>());
+        int(K), kc, cache_ids, int(budget), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
+        depths.data_ptr<int32_t>(), visible.data_ptr<bool>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {tokens, parents, depths, visible};
