@@ -41,7 +41,8 @@ def _prompt(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab - 2, (1, PROMPT), generator=g).cuda()
 
 
-@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}], ids=["eager_ops", "inductor", "combo"])
+@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}, {"coordinate_descent_tuning": True}],
+                         ids=["eager_ops", "inductor", "combo", "coordinate_descent"])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in ("2p2b", "k2_slice")])
 def test_kimi_greedy_decode(benchmark, name, compiled):
     """generate(speculative=None): the step captured in a CUDA graph, its ops eager

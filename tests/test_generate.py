@@ -598,3 +598,18 @@ def test_cuda_sampling_in_graphs_draws_fresh_noise_every_replay():
     assert len({tuple(row) for row in a[:, 4:].tolist()}) > 1  # requests differ within a batch
     assert not torch.equal(a, b)  # and between calls
     assert ((a >= 0) & (a < model.config.vocab_size)).all()
+
+
+def test_two_stage_argmax_is_the_first_maximum():
+    from torch_kdtree.models.generation.sampling import ARGMAX_CHUNK, argmax_last
+
+    g = torch.Generator().manual_seed(5)
+    V = 4 * ARGMAX_CHUNK
+    x = torch.randn(3, 2, V, generator=g)
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    tied = torch.zeros(2, V)
+    tied[0, [5, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK]] = 2.0  # ties inside and across chunks
+    tied[1, [ARGMAX_CHUNK + 7, 2 * ARGMAX_CHUNK + 7]] = float("inf")
+    assert argmax_last(tied).tolist() == [5, ARGMAX_CHUNK + 7]
+    odd = torch.randn(2, V + 3, generator=g)  # not a multiple of the chunk: one stage
+    assert torch.equal(argmax_last(odd), odd.argmax(-1))
