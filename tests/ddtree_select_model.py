@@ -1,4 +1,4 @@
-"""A Python model of the ddtree_build CUDA kernel's parallel ("select") path (csrc/ddtree.cu).
+"""A Python model of the ddtree_build CUDA kernel's parallel ("select") path (csrc/ddtree_build.cu).
 
 The pop order is the first B nodes of the whole tree sorted by the total order (score desc,
 then parent's index, then rank), because a node never precedes its parent or left sibling.  So:
