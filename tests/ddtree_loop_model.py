@@ -1,4 +1,4 @@
-"""A lane-by-lane Python model of the ddtree_build CUDA kernel's best-first loop (csrc/ddtree.cu):
+"""A lane-by-lane Python model of the ddtree_build CUDA kernel's best-first loop (csrc/ddtree_build.cu):
 the uniform next key `cur`, the 32-lane sorted register list merged with two ballots, and the
 overflow pool.  It mirrors the kernel's list and pool mechanics statement for statement, so a
 CPU test can check them against the reference on many inputs (the GPU tests check the kernel).
