@@ -45,6 +45,23 @@ def test_ddtree_build(benchmark, B, R):
 
 
 @requires_cuda
+@pytest.mark.parametrize("B", [64, 256, 1024])
+def test_ddtree_build_peaked_drafts(benchmark, B):
+    # Very peaked drafts (log_softmax(randn * 30)) make deep chains; at B >= 128 the select
+    # path gives up (its level sets outgrow 2048 nodes) and the serial loop builds the tree.
+    # For the record: the targets are on the drafts above.
+    g = torch.Generator().manual_seed(1)
+    lp = torch.log_softmax(torch.randn(1, 15, 4096, generator=g) * 30, -1).topk(B, -1)
+    lp, ids, roots = lp.values.contiguous().cuda(), lp.indices.contiguous().cuda(), torch.zeros(1, dtype=torch.long).cuda()
+    with value_checks(False):
+        us = cuda_time_us(lambda: ddtree_build(lp, ids, roots, B))
+        benchmark.pedantic(_host_heap_build, args=(lp, ids, roots, B), rounds=5, iterations=1)
+    host_us = benchmark.stats.stats.median * 1e6
+    record(benchmark, op="ddtree_build_peaked", R=1, B=B, L=15, K=B, gpu_us=us, host_heap_us=host_us,
+           speedup_vs_host=host_us / us)
+
+
+@requires_cuda
 @pytest.mark.parametrize("R", [1, 8])
 @pytest.mark.parametrize("B", [16, 64, 256, 1024])
 def test_tree_accept(benchmark, B, R):

@@ -4,7 +4,8 @@ drafter at controlled accuracy over sustained generations, and transformers' bas
 Run (H200, ~3-5 min):  pytest bench/bench_generate.py --benchmark-only -s
 Environment: BENCH_TOKENS (default 2000, tokens per sustained generation), BENCH_HF_TOKENS
 (default 128: transformers' eager generate, ~50 tokens/s, is timed on fewer tokens),
-BENCH_ASSISTED_TOKENS (default 64).
+BENCH_ASSISTED_TOKENS (default 64), BENCH_COMPILE (default 1: steps compiled by inductor, as
+generate() does on CUDA; 0: eager ops in the graphs).
 
 Configurations (random weights, bf16, batch 1, 128-token random prompt):
 - "2p2b": hidden 2048, 8 layers (layer 0 dense, intermediate 6144), 64 routed experts top-8 +
@@ -40,6 +41,7 @@ from torch_kdtree.models.generation import GenerationSession, OracleDrafter
 from .conftest import hbm_bandwidth_gbs, record, requires_cuda
 
 TOKENS = int(os.environ.get("BENCH_TOKENS", 2000))
+COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"  # steps compiled by inductor (generate's CUDA default)
 HF_TOKENS = int(os.environ.get("BENCH_HF_TOKENS", 128))
 ASSISTED_TOKENS = int(os.environ.get("BENCH_ASSISTED_TOKENS", 64))
 PROMPT = 128
@@ -162,7 +164,7 @@ def test_step_time_against_tree_budget(benchmark, name):
     """One session, one graph per budget; each timed over 16 replays after a 128-token prompt."""
     model = target(name)
     session = GenerationSession(model, drafter(name), batch_size=1, max_prompt=PROMPT, max_new=512,
-                                budgets=BUDGETS)
+                                budgets=BUDGETS, compile_step=COMPILE)
     session.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
     ms = {}
     for b in BUDGETS:
@@ -172,7 +174,7 @@ def test_step_time_against_tree_budget(benchmark, name):
     context = int(session.cache.lengths.max())
     for b in BUDGETS:
         floor = floor_seconds(name, b, context, with_drafter=b > 0) * 1e3
-        record(benchmark, op="step_time", config=name, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
+        record(benchmark, op="step_time", config=name, compiled=COMPILE, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
                floor_ms=floor, floor_ratio=floor / ms[b], context=context)
     RESULTS[(name, "step_ms")] = ms
     if name == "2p2b":
@@ -241,21 +243,24 @@ def _oracle(name: str) -> OracleDrafter:
     return OracleDrafter(target(name), accuracy=0.8, second_choice=0.5, seed=3, inner=drafter(name))
 
 
-def _hf_models():
+def hf_deepseek_v3(name: str, **overrides):
+    """transformers' own DeepseekV3ForCausalLM on configuration ``name`` (random bf16 weights on
+    the GPU, seed 0), with config fields overridden."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    d = {k: v for k, v in config_dict("2p2b").items() if k not in ("model_type", "auto_map", "architectures")}
+    d = {k: v for k, v in config_dict(name).items() if k not in ("model_type", "auto_map", "architectures")}
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
             torch.manual_seed(0)
-            main = DeepseekV3ForCausalLM(DeepseekV3Config(**d)).eval()
-            assistant = DeepseekV3ForCausalLM(DeepseekV3Config(**{**d, "num_hidden_layers": 1,
-                                                                  "first_k_dense_replace": 1})).eval()
+            return DeepseekV3ForCausalLM(DeepseekV3Config(**{**d, **overrides})).eval()
     finally:
         torch.set_default_dtype(default)
-    return main, assistant
+
+
+def _hf_models():
+    return hf_deepseek_v3("2p2b"), hf_deepseek_v3("2p2b", num_hidden_layers=1, first_k_dense_replace=1)
 
 
 @requires_cuda

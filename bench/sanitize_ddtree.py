@@ -13,5 +13,12 @@ with value_checks(False):
     kv = torch.randn(61, 32, 16, 576, device="cuda", dtype=torch.bfloat16)
     bt = torch.arange(32, device="cuda", dtype=torch.int32).reshape(R, 8)
     kv_commit(kv, bt, torch.full((R,), 9, device="cuda", dtype=torch.int32), acc.indices, acc.lengths)
+    # ddtree_build's other paths: quantized drafts (tie re-sort), peaked drafts (the select path
+    # gives up, the serial loop runs with a full list and pool), L = 32 (lp rows cut in shared
+    # memory, higher ranks read from global memory)
+    q = (lp.values * 4).round() / 4
+    ddtree_build(q.contiguous().cuda(), lp.indices.contiguous().cuda(), torch.arange(R).cuda(), B)
+    peaked = torch.log_softmax(torch.randn(2, 32, 4096, generator=g) * 30, -1).topk(1024, -1)
+    ddtree_build(peaked.values.contiguous().cuda(), peaked.indices.contiguous().cuda(), torch.arange(2).cuda(), 1024)
 torch.cuda.synchronize()
 print("ok", acc.lengths.tolist())

@@ -26,7 +26,7 @@ def call(R, N, H, page_size, lens):
 
 
 with value_checks(False):
-    print(call(2, 1, 8, 16, [3000, 40]))      # 16-row tile, several splits, an early-exiting split
+    print(call(2, 1, 8, 16, [1200, 40]))      # 16-row tile, several splits, an early-exiting split
     print(call(1, 5, 16, 7, [1500]))          # 64-row tile (80 rows: one partial block), page size 7
     print(call(1, 9, 64, 64, [100]))          # 576 rows, one split, tree tiles
 torch.cuda.synchronize()

@@ -91,3 +91,29 @@ def random_logprobs(R: int, L: int, K: int, generator: torch.Generator, *, ties:
     vocab = vocab or max(2 * K, 1024)
     ids = torch.argsort(torch.rand(R, L, vocab, generator=generator), -1)[..., :K].contiguous()
     return lp, ids
+
+
+DRAFT_KINDS = ("bench", "flat", "peaked", "ties", "zeros", "positive")
+
+
+def draft_logprobs(kind: str, R: int, L: int, K: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts of one shape that drive the build down different paths: "bench" (the benchmark's
+    log_softmax(randn * 2)), "flat" (wide trees, long sibling runs), "peaked" (chains, with
+    lp = 0 at rank 0 so children tie their parents), "ties" (few distinct values), "zeros"
+    (every score ties; every other request holds -0.0), "positive" (some lp > 0: scores grow
+    along a path, which the select path cannot take)."""
+    if kind == "ties":
+        return random_logprobs(R, L, K, generator, ties=True)
+    if kind == "zeros":
+        lp = torch.zeros(R, L, K)
+        lp[1::2] = -lp[1::2]
+        return lp, torch.arange(L * K).reshape(1, L, K).repeat(R, 1, 1)
+    scale = {"flat": 0.3, "bench": 2.0, "peaked": 30.0, "positive": 2.0}[kind]
+    lp = torch.log_softmax(torch.randn(R, L, 4 * K, generator=generator) * scale, -1)[..., :K]
+    lp = lp.sort(-1, descending=True).values
+    if kind == "peaked":
+        lp[..., 0] = 0.0
+    if kind == "positive":
+        lp = lp + 4.0
+    ids = torch.argsort(torch.rand(R, L, 4 * K, generator=generator), -1)[..., :K]
+    return lp.contiguous(), ids.contiguous()

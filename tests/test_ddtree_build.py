@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from torch_kdtree.ops import ddtree_build, ddtree_build_reference
 
 from .conftest import poison_cuda_allocator, requires_cuda
-from .ddtree_oracles import build_oracle, random_logprobs
+from .ddtree_oracles import DRAFT_KINDS, build_oracle, draft_logprobs, random_logprobs
+from .ddtree_select_model import build_select_model
 
 
 def _check_against_oracle(lp, ids, roots, budget):
@@ -206,6 +207,97 @@ def test_cuda_kernel_peaked_rows_overflow_the_register_list(fresh_seed):
         out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
         for name, a, b in zip(ref._fields, ref, out):
             assert torch.equal(a, b.cpu()), f"{name} differs at budget {budget} (seed {fresh_seed})"
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+@pytest.mark.parametrize("R,L,K,budget", [
+    (3, 15, 16, 16),      # token ids cached in shared memory (L * K <= 2048)
+    (3, 15, 64, 64),
+    (2, 15, 256, 256),    # ids gathered from global memory
+    (2, 15, 1024, 1024),  # 60 KB of lp in dynamic shared memory; list full, pool spills
+    (2, 32, 1024, 1024),  # lp rows cut to 640 ranks: higher ranks read from global memory
+    (3, 4, 7, 1024),      # rank space exhausted before the budget (padding)
+    (2, 3, 2, 30),
+])
+def test_cuda_kernel_bit_identical_on_shaped_drafts(kind, R, L, K, budget, fresh_seed):
+    # chains (peaked, lp = 0 children tying their parents), wide sibling runs (flat), heavy
+    # ties and all-equal scores with -0.0 entries (ties, zeros): every pop path of the loop
+    g = torch.Generator().manual_seed(fresh_seed)
+    lp, ids = draft_logprobs(kind, R, L, K, g)
+    roots = torch.randint(0, 1000, (R,), generator=g)
+    ref = ddtree_build_reference(lp, ids, roots, budget)
+    poison_cuda_allocator()
+    out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
+    for name, a, b in zip(ref._fields, ref, out):
+        assert torch.equal(a, b.cpu()), f"{name} differs ({kind}, seed {fresh_seed})"
+
+
+def _topk_drafts(R, L, K, g):
+    # the benchmark's drafts: top-K of log_softmax(randn * 2) over a 4096-token vocabulary
+    lp = torch.log_softmax(torch.randn(R, L, 4096, generator=g) * 2, -1).topk(K, -1)
+    return lp.values.contiguous(), lp.indices.contiguous()
+
+
+def _assert_kernel_matches_reference(lp, ids, budget, what):
+    roots = torch.arange(lp.shape[0]) + 3
+    ref = ddtree_build_reference(lp, ids, roots, budget)
+    poison_cuda_allocator()
+    out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
+    for name, a, b in zip(ref._fields, ref, out):
+        assert torch.equal(a, b.cpu()), f"{name} differs ({what})"
+
+
+@requires_cuda
+@pytest.mark.parametrize("L,budget", [(15, 32), (15, 64), (15, 256), (15, 1024), (32, 1024)])
+def test_cuda_kernel_bit_identical_on_benchmark_drafts(L, budget, fresh_seed):
+    # the select path (threshold, level-by-level set, sort) on fresh drafts, R > 1
+    g = torch.Generator().manual_seed(fresh_seed)
+    lp, ids = _topk_drafts(8, L, budget, g)
+    _assert_kernel_matches_reference(lp, ids, budget, f"seed {fresh_seed}")
+
+
+# Inputs on which the select path's model (tests/ddtree_select_model.py) ends each way; fixed
+# seeds, so that each path is taken every run (the model is asserted on them first).
+_SELECT_PATHS = [
+    ("sorted once", "topk", 15, 64, 64, 0),
+    ("sorted once", "topk", 15, 256, 256, 0),
+    ("sorted once", "bench", 5, 4, 200, 0),  # L*K < B: t = -inf, the whole tree (1364 nodes)
+    ("sorted once", "bench", 3, 8, 1024, 0),  # the whole tree has 584 < B nodes: padding
+    ("sorted twice", "ties", 3, 10, 500, 0),  # equal scores under parents of unequal scores
+    ("sorted twice", "quantized", 15, 1024, 1024, 3),
+    ("gave up: order check", "ties", 5, 4, 200, 1),  # equal scores under tied parents
+    ("gave up: more than CAP nodes", "peaked", 15, 256, 256, 0),
+    ("gave up: more than CAP nodes", "zeros", 15, 1024, 1024, 0),
+    ("gave up: lp > 0", "positive", 15, 256, 256, 0),
+]
+
+
+def _path_drafts(kind, R, L, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "topk":
+        return _topk_drafts(R, L, K, g)
+    if kind == "quantized":  # benchmark drafts rounded to 1/4: many exact float ties
+        lp, ids = _topk_drafts(R, L, K, g)
+        return ((lp * 4).round() / 4).contiguous(), ids
+    return draft_logprobs(kind, R, L, K, g)
+
+
+@pytest.mark.parametrize("path,kind,L,K,budget,seed", _SELECT_PATHS)
+def test_select_path_inputs_take_their_path(path, kind, L, K, budget, seed):
+    lp, ids = _path_drafts(kind, 2, L, K, seed)
+    for r in range(2):
+        trace = []
+        build_select_model(lp[r].numpy(), ids[r].numpy(), 0, budget, trace)
+        assert trace[-1] == path
+
+
+@requires_cuda
+@pytest.mark.parametrize("path,kind,L,K,budget,seed", _SELECT_PATHS)
+def test_cuda_kernel_bit_identical_on_every_select_path(path, kind, L, K, budget, seed):
+    # every way the select path ends (kept, re-sorted, or given up for the serial loop)
+    lp, ids = _path_drafts(kind, 2, L, K, seed)
+    _assert_kernel_matches_reference(lp, ids, budget, path)
 
 
 @requires_cuda

@@ -179,6 +179,28 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
+def test_compile_step_forms_reach_torch_compile(monkeypatch):
+    """compile_step: True -> inductor, a name -> that backend, a dict -> inductor with those
+    options; generate's default "auto" compiles only CUDA graphs on CUDA (eager here)."""
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        seen.append(kwargs)
+        return fn
+
+    model = target(32)
+    ids, mask = prompts(1, 32, left=False)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    for form, want in ((True, {"backend": "inductor"}), ("aot_eager", {"backend": "aot_eager"}),
+                       ({"combo_kernels": True}, {"backend": "inductor", "options": {"combo_kernels": True}})):
+        seen.clear()
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None, compile_step=form)
+        assert seen and all({k: v for k, v in kw.items() if k in ("backend", "options")} == want for kw in seen)
+    seen.clear()
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
+    assert seen == []
+
+
 @pytest.mark.parametrize("speculative", [None, "ddtree"])
 def test_batch_of_different_prompt_lengths_equals_single_runs(speculative):
     model = target(40)
@@ -482,19 +504,20 @@ def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
 
 
 @requires_mla_cuda
-@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16), ("oracle", 32), ("oracle_80", "auto")])
-def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget):
-    """The same kernels in bf16, CUDA graphs: DDTree output equals autoregressive output (up to
-    bf16 ties, see the helper)."""
+@pytest.mark.parametrize("kind,budget,compile_step", [("oracle_80", 8, "auto"), ("random_dflash", 16, False),
+                                                      ("oracle", 32, "auto"), ("oracle_80", "auto", "auto")])
+def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
+    """The same kernels in bf16, CUDA graphs (steps compiled by inductor, the default, or eager
+    ops): DDTree output equals autoregressive output (up to bf16 ties, see the helper)."""
     model = gpu_target(90)
     ids, mask = prompts(3, 90)
     ids, mask = ids.cuda(), mask.cuda()
     drafter = make_drafter(kind, model, 91, 6)
     if not isinstance(drafter, OracleDrafter):
         drafter = drafter.to("cuda", torch.bfloat16)
-    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, compile_step=compile_step)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
-                        tree_budget=budget)
+                        tree_budget=budget, compile_step=compile_step)
     assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
 
 
@@ -575,3 +598,18 @@ def test_cuda_sampling_in_graphs_draws_fresh_noise_every_replay():
     assert len({tuple(row) for row in a[:, 4:].tolist()}) > 1  # requests differ within a batch
     assert not torch.equal(a, b)  # and between calls
     assert ((a >= 0) & (a < model.config.vocab_size)).all()
+
+
+def test_two_stage_argmax_is_the_first_maximum():
+    from torch_kdtree.models.generation.sampling import ARGMAX_CHUNK, argmax_last
+
+    g = torch.Generator().manual_seed(5)
+    V = 4 * ARGMAX_CHUNK
+    x = torch.randn(3, 2, V, generator=g)
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    tied = torch.zeros(2, V)
+    tied[0, [5, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK]] = 2.0  # ties inside and across chunks
+    tied[1, [ARGMAX_CHUNK + 7, 2 * ARGMAX_CHUNK + 7]] = float("inf")
+    assert argmax_last(tied).tolist() == [5, ARGMAX_CHUNK + 7]
+    odd = torch.randn(2, V + 3, generator=g)  # not a multiple of the chunk: one stage
+    assert torch.equal(argmax_last(odd), odd.argmax(-1))

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, Dee
 
 from conftest import HAS_CUDA
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
-from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts
+from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts, KimiK2MLP
 from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
 
 VOCAB = 128
@@ -422,6 +422,7 @@ def test_dense_expert_paths_agree():
     w = torch.rand(10, 3)
     with torch.no_grad():
         gathered, looped = experts._gathered(x, ids, w), experts._looped(x, ids, w)
+        row_gemv = experts._row_gemv(x, ids, w)  # the compiled-decode path (CUDA + torch.compile)
         oracle = torch.zeros(10, 32, dtype=torch.float64)
         for t in range(10):
             for j in range(3):
@@ -430,6 +431,7 @@ def test_dense_expert_paths_agree():
                     (experts.up_proj[e].double() @ x[t].double())
                 oracle[t] += w[t, j].double() * (experts.down_proj[e].double() @ h)
         assert rel_err(gathered.double(), oracle) <= 1e-5 and rel_err(looped.double(), oracle) <= 1e-5
+        assert rel_err(row_gemv.double(), oracle) <= 1e-5
         try:
             grouped = experts._grouped(x, ids, w)
         except (RuntimeError, NotImplementedError) as e:  # grouped_mm without a CPU kernel in this torch
@@ -514,7 +516,13 @@ def decode_step(model, cache, tokens, positions, visible):
     return logits
 
 
-def test_decode_step_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("gemv_form", [False, True], ids=["module_calls", "gemv_form"])
+def test_decode_step_compiles_fullgraph_and_matches_eager(gemv_form, monkeypatch):
+    """gemv_form: the CUDA-only decode forms (gemv.py linears and router, the experts' per-row
+    GEMVs) forced on, so their code runs traced here too."""
+    if gemv_form:
+        from torch_kdtree.models.kimi_k2 import gemv
+        monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
     model = make_model(20)
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 8)]
@@ -647,3 +655,43 @@ def test_decode_step_reduce_overhead_uses_cuda_graphs():
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert replays >= 3, f"CUDA graphs replayed {replays} times in 6 steps"
     assert compiled_cache.lengths.tolist() == [12, 12]
+
+
+def test_compiled_gemv_form_equals_the_linear_layers(monkeypatch):
+    """The decode-sized multiply + sum form (gemv.py; CUDA + torch.compile only) computes the
+    same projections: forced on here under a compiling backend, the MLP, the router and a
+    decode step's attention projections equal their eager module calls."""
+    from torch_kdtree.models.kimi_k2 import gemv
+
+    torch.manual_seed(31)
+    mlp = KimiK2MLP(32, 48)
+    x = torch.randn(2, 1, 32)
+    calls = []
+    real = gemv.matvec
+
+    def counted(x, w):
+        calls.append(tuple(w.shape))
+        return real(x, w)
+
+    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(gemv, "matvec", counted)
+    with torch.no_grad():
+        want = mlp(x)
+        got = torch.compile(lambda x: mlp(x), backend="aot_eager", fullgraph=True)(x)
+    assert calls == [(48, 32), (48, 32), (32, 48)]  # the form really ran, for all three
+    assert rel_err(got, want) <= 1e-6
+    with torch.no_grad():  # too many rows: the module call
+        calls.clear()
+        torch.compile(lambda x: mlp(x), backend="aot_eager", fullgraph=True)(torch.randn(8, 32))
+    assert calls == []
+
+
+def test_rank_topk_equals_topk_with_lower_index_first_on_ties():
+    from torch_kdtree.models.kimi_k2.moe import rank_topk
+
+    g = torch.Generator().manual_seed(41)
+    for E, k in ((64, 8), (384, 8), (16, 16), (5, 1)):
+        x = torch.randn(3, E, generator=g)
+        assert torch.equal(rank_topk(x, k), x.topk(k, dim=-1).indices)
+    ties = torch.tensor([[0.5, 2.0, 0.5, 2.0, -float("inf"), 0.5]])
+    assert rank_topk(ties, 5).tolist() == [[1, 3, 0, 2, 5]]

@@ -302,7 +302,7 @@ def test_cuda_kernel_is_deterministic(fresh_seed):
 
 @requires_cuda
 def test_cuda_bad_inputs_raise_clear_errors():
-    q, kv, bt, cl, vis, _ = _cuda_case(1, 2, 8, 16, [10], 0)
+    q, kv, bt, cl, vis, _ = _cuda_case(1, 2, 8, 16, [40], 0)  # 42 positions: 3 pages of 16
     with pytest.raises(RuntimeError, match="(?i)bfloat16"):
         torch.ops.kdtree.mla_tree_attention(q.float(), kv.float(), bt, cl, vis, SCALE)
     with pytest.raises(RuntimeError, match="head dim must be 576"):

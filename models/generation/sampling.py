@@ -79,15 +79,33 @@ def gumbel_like(scores: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(torch.rand_like(scores)))
 
 
+ARGMAX_CHUNK = 2048
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximal index) in two stages -- the first maximum of each chunk
+    of ARGMAX_CHUNK entries, then the first chunk holding the row's maximum -- so that a row of
+    a large vocabulary is spread over many blocks instead of one (inductor reduces each row of
+    a single-stage argmax in one program)."""
+    V = x.shape[-1]
+    if V % ARGMAX_CHUNK or V <= ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.reshape(*x.shape[:-1], V // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    inner = chunks.argmax(dim=-1)  # [..., C]
+    best = chunks.gather(-1, inner[..., None])[..., 0]  # each chunk's first maximum
+    c = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (c * ARGMAX_CHUNK + inner.gather(-1, c))[..., 0]
+
+
 def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingParams | None) -> torch.Tensor:
     """int64 [R, N]: the target's token at each of N nodes of R requests from logits [R, N, V]."""
     if not mode.do_sample:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)
     if mode.filtered:
         scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
     else:
         scores = logits.float() / params.temperature[:, None, None]
-    return (scores + gumbel_like(scores)).argmax(dim=-1)
+    return argmax_last(scores + gumbel_like(scores))
 
 
-__all__ = ["SamplingMode", "SamplingParams", "process_logits", "select_tokens", "gumbel_like"]
+__all__ = ["SamplingMode", "SamplingParams", "process_logits", "select_tokens", "gumbel_like", "argmax_last"]

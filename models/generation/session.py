@@ -106,13 +106,14 @@ class GenerationSession:
         page_size: tokens per page of the target's cache.
         cuda_graphs: capture and replay on CUDA (ignored on the CPU).
         compile_step: run each step through ``torch.compile(fullgraph=True)`` (captured in the
-            graphs on CUDA); True for inductor, or a backend name (e.g. ``"aot_eager"``).
+            graphs on CUDA); True for inductor, a backend name (e.g. ``"aot_eager"``), or a dict
+            of inductor options (e.g. ``{"combo_kernels": True}``).
         sync_every: steps between host checks.
     """
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
-                 compile_step: bool | str = False, sync_every: int = 8):
+                 compile_step: bool | str | dict = False, sync_every: int = 8):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
 
         self.target, self.drafter = target, drafter
@@ -165,9 +166,11 @@ class GenerationSession:
         if self._prepare is not None and any(self.budgets):
             self._fns["prepare"] = lambda: self._prepare(self.root)
         if compile_step:
-            backend = "inductor" if compile_step is True else compile_step
-            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
-                         for k, f in self._fns.items()}
+            if isinstance(compile_step, dict):  # inductor with these options
+                how = {"backend": "inductor", "options": dict(compile_step)}
+            else:
+                how = {"backend": "inductor" if compile_step is True else compile_step}
+            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False, **how) for k, f in self._fns.items()}
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
             for key, fn in self._fns.items():

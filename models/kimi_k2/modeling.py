@@ -36,6 +36,7 @@ from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
+from .gemv import linear
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
@@ -169,13 +170,13 @@ class KimiK2Attention(nn.Module):
         """x [R, T, H] -> q_nope [R, T, h, 128], rotated q_rope [R, T, h, 64], and the cache
         entries ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, 576]."""
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+            q = linear(self.q_proj, x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
         q = q.view(*x.shape[:-1], -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos[..., None, :], sin[..., None, :], self.rope_interleave)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c, k_rope = linear(self.kv_a_proj_with_mqa, x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
         return q_nope, q_rope, latent
 
@@ -220,7 +221,7 @@ class KimiK2Attention(nn.Module):
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale)
         out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
-        return self.o_proj(out.reshape(R, N, -1))
+        return linear(self.o_proj, out.reshape(R, N, -1))
 
 
 # --------------------------------------------------------------------------------------------

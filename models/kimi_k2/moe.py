@@ -14,11 +14,17 @@ from torch import nn
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights
 
 from .fixed_dtype import FixedDtype
+from . import gemv
+from .gemv import linear, matvec, use_gemv
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Above this many gathered weight elements (T * k * 3 * I * H) the eager dense path loops over
 # experts instead of gathering one weight copy per (token, slot).
 _GATHER_LIMIT = 1 << 26
+# Under torch.compile on CUDA, at most this many (token, slot) rows use per-row expert GEMVs
+# written as multiply + sum (inductor emits reduction kernels that read each touched expert's
+# weights in place); above it rows share experts and the grouped GEMM reads each expert once.
+_GEMV_ROWS = 16
 
 
 class KimiK2MLP(nn.Module):
@@ -31,7 +37,21 @@ class KimiK2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+
+
+def rank_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k largest entries of each row of ``x`` [T, E], largest first, equal
+    values lower index first, by counting for every entry the entries that beat it (an [E, E]
+    comparison per row): only compares and sums, so under torch.compile it is a fused reduction
+    instead of topk's sort kernels -- for decode-sized T (the router's k of E experts)."""
+    E = x.shape[-1]
+    idx = torch.arange(E, device=x.device)
+    a, b = x[:, :, None], x[:, None, :]
+    beaten = (b > a) | ((b == a) & (idx[None, None, :] < idx[None, :, None]))  # [T, e, j]: j beats e
+    rank = beaten.sum(-1)  # [T, E], distinct per row
+    r = torch.arange(k, device=x.device)
+    return ((rank[:, None, :] == r[None, :, None]) * idx).sum(-1)
 
 
 class KimiK2Router(FixedDtype):
@@ -58,7 +78,8 @@ class KimiK2Router(FixedDtype):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             T, E = choice.shape
@@ -67,7 +88,10 @@ class KimiK2Router(FixedDtype):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-        ids = choice.topk(self.top_k, dim=-1).indices
+        if use_gemv(x, self.weight):  # decode under torch.compile on CUDA: no sort kernels
+            ids = rank_topk(choice, self.top_k)
+        else:
+            ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -158,6 +182,8 @@ class KimiK2Experts(FixedDtype):
         ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``, accumulated in fp32."""
         if self.is_int4:
             return int4_moe(x, self.int4_weights(), topk_ids, topk_weights)
+        if gemv._on_gpu(x) and topk_ids.numel() <= _GEMV_ROWS and torch.compiler.is_compiling():
+            return self._row_gemv(x, topk_ids, topk_weights)
         if _grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16:
             return self._grouped(x, topk_ids, topk_weights)
         elements = topk_ids.numel() * 3 * self.gate_proj.shape[1] * self.gate_proj.shape[2]
@@ -179,6 +205,19 @@ class KimiK2Experts(FixedDtype):
         y_sorted = _grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         return (y.view(T, k, -1).float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+    def _row_gemv(self, x, topk_ids, topk_weights):
+        """Decode-sized batches under torch.compile: ``W[ids] @ x`` per (token, slot) as a product
+        and a sum, which inductor fuses into reduction kernels with indirect weight loads (no
+        gathered copy, no sort).  fp32 accumulation; gate/up and the expert outputs are rounded
+        to x's dtype where the GEMM path rounds them."""
+        ids = topk_ids.long()
+        xf = x.float()[:, None, None, :]
+        gate = (xf * self.gate_proj[ids].float()).sum(-1).to(x.dtype)  # [T, k, I]
+        up = (xf * self.up_proj[ids].float()).sum(-1).to(x.dtype)
+        h = (F.silu(gate) * up).float()[:, :, None, :]
+        y = (h * self.down_proj[ids].float()).sum(-1).to(x.dtype)  # [T, k, H]
+        return (y.float() * topk_weights[..., None]).sum(1).to(x.dtype)
 
     def _gathered(self, x, topk_ids, topk_weights):
         """One weight copy per (token, slot): fixed shapes, cheap for decode-sized T."""

@@ -1,15 +1,6 @@
-// DDTree step kernels: ddtree_build, tree_accept, kv_commit (semantics: shared/docs/ddtree.md,
-// restated in torch_kdtree/ops/ddtree.py, whose pure-torch references these must equal bit for bit).
-//
-// ddtree_build: one block per request.  Warp 0 runs the best-first loop; the other warps clear
-// the [N, N] visibility matrix meanwhile.  The loop is latency-bound (each pop depends on the
-// last), so the candidate set lives mostly in registers: a sorted list of up to 32 keys, one
-// per lane.  A step pops the head and merges the (at most two) new candidates, its sibling and
-// first child, with two ballots and a few shuffles.  Keys pushed past lane 31 go to an unsorted
-// overflow pool in shared memory whose best key is tracked; a pop takes min(list head, pool
-// best), and only a pop from the pool rescans it (warp-parallel, 32-bit redux).
-// A key is 64 bits, smaller = popped first: high word = ~orderable(score), low word starts with
-// parent, then rank, which is exactly the reference's order (score desc, parent asc, rank asc).
+// DDTree step kernels: tree_accept, kv_commit (ddtree_build: ddtree_build.cu).
+// Semantics: shared/docs/ddtree.md, restated in torch_kdtree/ops/ddtree.py, whose pure-torch
+// references these must equal bit for bit.
 //
 // tree_accept: one block per request; every node tests itself against its parent's target
 // token in parallel (children of one node carry distinct tokens, ties go to the lower index),
@@ -24,6 +15,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kdtree {
@@ -31,202 +23,6 @@ namespace {
 
 constexpr int kMaxBudget = 1024;
 constexpr int kMaxNodes = kMaxBudget + 1;
-constexpr int kMaxDepth = 32;
-constexpr int kMaxK = 1024;
-constexpr int kBuildThreads = 256;
-constexpr int kLpCacheFloats = 6144;  // 24 KB of log-probs cached in shared memory (48 KB static total)
-constexpr uint64_t kEmpty = ~0ull;
-
-__device__ __forceinline__ uint32_t orderable(float f) {
-  if (f == 0.0f) f = 0.0f;  // -0 and +0 compare equal in the reference
-  uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float from_orderable(uint32_t o) {
-  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
-}
-// Low word: parent (11 bits) | rank (10 bits) | depth (6 bits).  Depth is a function of the
-// parent, so it never decides an order; it rides along to save a shared-memory load.
-__device__ __forceinline__ uint64_t make_key(float score, int parent, int rank, int depth) {
-  return (uint64_t(~orderable(score)) << 32) | (uint32_t(parent) << 16) | (uint32_t(rank) << 6) | uint32_t(depth);
-}
-__device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
-  return __shfl_sync(0xffffffffu, v, src);
-}
-__device__ __forceinline__ uint64_t warp_min64(uint64_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    uint64_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o < v ? o : v;
-  }
-  return v;
-}
-
-struct BuildShared {
-  float node_score[kMaxNodes];
-  int16_t node_parent[kMaxNodes];
-  int16_t node_rank[kMaxNodes];
-  int8_t node_depth[kMaxNodes];
-  uint64_t pool[kMaxNodes + 1];
-  float lp[kLpCacheFloats];
-  int num_nodes;
-};
-
-__global__ void __launch_bounds__(kBuildThreads)
-ddtree_build_kernel(const float* __restrict__ logprobs, const int64_t* __restrict__ token_ids,
-                    const int64_t* __restrict__ root_tokens, int L, int K, int budget,
-                    int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
-                    int32_t* __restrict__ depths, bool* __restrict__ visible) {
-  __shared__ BuildShared sh;
-  const int r = blockIdx.x;
-  const int N = budget + 1;
-  const float* lp_g = logprobs + int64_t(r) * L * K;
-  const int64_t* ids_g = token_ids + int64_t(r) * L * K;
-  bool* vis = visible + int64_t(r) * N * N;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-
-  // Cache the first kc columns of every depth's row.
-  const int kc = min(K, kLpCacheFloats / L);
-  for (int i = threadIdx.x; i < L * kc; i += blockDim.x) sh.lp[i] = lp_g[(i / kc) * K + i % kc];
-  __syncthreads();
-
-  if (warp == 0) {
-    auto lp_at = [&](int d, int rank) -> float {
-      return rank < kc ? sh.lp[d * kc + rank] : __ldg(lp_g + d * K + rank);
-    };
-    const float lp_first = lane < L ? sh.lp[lane * kc] : 0.0f;  // lp[d][0], read by shuffle
-    uint64_t key = lane == 0 ? make_key(lp_first, 0, 0, 1) : kEmpty;  // sorted list, one per lane
-    int pool_size = 0;
-    uint64_t pool_best = kEmpty;
-    int pool_best_idx = -1;
-    if (lane == 0) {
-      sh.node_score[0] = 0.0f;
-      sh.node_parent[0] = -1;
-      sh.node_rank[0] = 0;
-      sh.node_depth[0] = 0;
-    }
-    __syncwarp();
-    // Every lane stores the same value to the same shared address (no divergent lane-0
-    // branch, and each lane later reads back what it wrote itself, so no __syncwarp).
-    auto push_pool = [&](uint64_t x) {
-      if (x == kEmpty) return;
-      sh.pool[pool_size] = x;
-      if (x < pool_best) {
-        pool_best = x;
-        pool_best_idx = pool_size;
-      }
-      ++pool_size;
-    };
-    int n = 1;
-    while (n < N) {
-      // Neighbours in the list, fetched before they are needed (they depend only on `key`).
-      const uint64_t head = shfl64(key, 0);
-      uint64_t down1 = __shfl_down_sync(0xffffffffu, key, 1);
-      const uint64_t up1 = __shfl_up_sync(0xffffffffu, key, 1);
-      const uint64_t up2 = __shfl_up_sync(0xffffffffu, key, 2);
-      const uint64_t tail = shfl64(key, 31), tail1 = shfl64(key, 30);
-      if (lane == 31) down1 = kEmpty;
-      const bool from_pool = pool_best < head;
-      const uint64_t c = from_pool ? pool_best : head;
-      if (c == kEmpty) break;  // no candidates left: fewer than B nodes exist
-      const float s = from_orderable(~uint32_t(c >> 32));
-      const uint32_t lo = uint32_t(c);
-      const int p = int(lo >> 16);
-      const int rank = int((lo >> 6) & 0x3ff);
-      const int d = int(lo & 0x3f);
-      const float sp = sh.node_score[p];
-      const float lp_sib = rank + 1 < K ? lp_at(d - 1, rank + 1) : 0.0f;
-      const float lp_child = __shfl_sync(0xffffffffu, lp_first, d & 31);
-      uint64_t a = rank + 1 < K ? make_key(__fadd_rn(sp, lp_sib), p, rank + 1, d) : kEmpty;
-      uint64_t b = d < L ? make_key(__fadd_rn(s, lp_child), n, 0, d + 1) : kEmpty;
-      if (b < a) {
-        const uint64_t t = a;
-        a = b;
-        b = t;
-      }
-      sh.node_score[n] = s;
-      sh.node_parent[n] = int16_t(p);
-      sh.node_rank[n] = int16_t(rank);
-      sh.node_depth[n] = int8_t(d);
-      // Merge: M = (list minus its head if popped from it) + {a, b}, sorted; the list keeps
-      // M[0..31] and M[32..] goes to the pool.  a sits at pa, b at pb + 1.
-      const int drop = from_pool ? 0 : 1;
-      const int pa = __popc(__ballot_sync(0xffffffffu, key < a)) - drop;
-      const int pb = __popc(__ballot_sync(0xffffffffu, key < b)) - drop;
-      auto merged_at = [&](int i, uint64_t same, uint64_t prev, uint64_t prev2, uint64_t next) -> uint64_t {
-        if (i == pa) return a;
-        if (i == pb + 1) return b;
-        const int src_off = drop - (i > pa) - (i > pb + 1);  // old index = i + src_off
-        return src_off == 1 ? next : src_off == 0 ? same : src_off == -1 ? prev : prev2;
-      };
-      const uint64_t m = merged_at(lane, key, up1, up2, down1);
-      // M[32] and M[33]: their old-list sources are lanes 30..31 (or past the end).
-      const uint64_t ov0 = merged_at(32, kEmpty, tail, tail1, kEmpty);
-      const uint64_t ov1 = from_pool ? merged_at(33, kEmpty, kEmpty, tail, kEmpty) : kEmpty;
-      key = m;
-      if (from_pool) {
-        sh.pool[pool_best_idx] = sh.pool[pool_size - 1];
-        --pool_size;
-        // Rescan the pool for its best key: lane-local min, then 32-bit warp reductions.
-        uint64_t best = kEmpty;
-        int best_i = 0x7fffffff;
-        for (int i = lane; i < pool_size; i += 32) {
-          const uint64_t v = sh.pool[i];
-          if (v < best) {
-            best = v;
-            best_i = i;
-          }
-        }
-        const uint32_t hi_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32));
-        const uint32_t lo_min = __reduce_min_sync(0xffffffffu, uint32_t(best >> 32) == hi_min ? uint32_t(best) : ~0u);
-        pool_best = (uint64_t(hi_min) << 32) | lo_min;
-        pool_best_idx = int(__reduce_min_sync(0xffffffffu, best == pool_best ? uint32_t(best_i) : ~0u));
-      }
-      push_pool(ov0);
-      push_pool(ov1);
-      ++n;
-    }
-    if (lane == 0) sh.num_nodes = n;
-  } else {
-    // Clear the visibility matrix while warp 0 builds (16-byte stores where aligned).
-    const int64_t total = int64_t(N) * N;
-    const int t = threadIdx.x - 32, nt = blockDim.x - 32;
-    const int64_t misalign = int64_t((16 - (reinterpret_cast<uintptr_t>(vis) & 15)) & 15);
-    const int64_t head = misalign < total ? misalign : total;
-    for (int64_t i = t; i < head; i += nt) vis[i] = false;
-    uint4* v4 = reinterpret_cast<uint4*>(vis + head);
-    const int64_t n4 = (total - head) / 16;
-    for (int64_t i = t; i < n4; i += nt) v4[i] = make_uint4(0, 0, 0, 0);
-    for (int64_t i = head + n4 * 16 + t; i < total; i += nt) vis[i] = false;
-  }
-  __syncthreads();
-
-  const int built = sh.num_nodes;
-  for (int i = threadIdx.x; i < N; i += blockDim.x) {
-    const int64_t o = int64_t(r) * N + i;
-    if (i == 0) {
-      tokens[o] = root_tokens[r];
-      parents[o] = -1;
-      depths[o] = 0;
-    } else if (i < built) {
-      const int d = sh.node_depth[i];
-      tokens[o] = ids_g[(d - 1) * K + sh.node_rank[i]];
-      parents[o] = sh.node_parent[i];
-      depths[o] = d;
-    } else {
-      tokens[o] = -1;
-      parents[o] = -1;
-      depths[o] = -1;
-    }
-    bool* row = vis + int64_t(i) * N;
-    if (i < built) {
-      for (int a = i; a >= 0; a = sh.node_parent[a]) row[a] = true;
-    } else {
-      row[i] = true;
-    }
-  }
-}
 
 __global__ void tree_accept_kernel(const int64_t* __restrict__ tokens, const int32_t* __restrict__ parents,
                                    const int64_t* __restrict__ target, int N, int32_t* __restrict__ indices,
@@ -308,38 +104,6 @@ __global__ void kv_commit_kernel(V* __restrict__ cache, const int32_t* __restric
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
-    const at::Tensor& logprobs, const at::Tensor& token_ids, const at::Tensor& root_tokens, int64_t budget) {
-  const char* op = "kdtree::ddtree_build";
-  check_cuda_tensor(logprobs, op, "logprobs", at::kFloat, 3);
-  check_cuda_tensor(token_ids, op, "token_ids", at::kLong, 3);
-  check_cuda_tensor(root_tokens, op, "root_tokens", at::kLong, 1);
-  KD_CHECK(token_ids.sizes() == logprobs.sizes(), op, ": token_ids shape ", token_ids.sizes(),
-              " != logprobs shape ", logprobs.sizes());
-  const int64_t R = logprobs.size(0), L = logprobs.size(1), K = logprobs.size(2);
-  KD_CHECK(root_tokens.size(0) == R, op, ": root_tokens must have R = ", R, " entries, got ", root_tokens.size(0));
-  KD_CHECK(L >= 1 && L <= kMaxDepth, op, ": depth L must be in [1, ", kMaxDepth, "], got ", L);
-  KD_CHECK(K >= 1 && K <= kMaxK, op, ": K must be in [1, ", kMaxK, "], got ", K);
-  KD_CHECK(budget >= 1 && budget <= kMaxBudget, op, ": budget must be in [1, ", kMaxBudget, "], got ", budget);
-  KD_CHECK(logprobs.device() == token_ids.device() && logprobs.device() == root_tokens.device(),
-              op, ": all inputs must be on one device");
-  const c10::cuda::CUDAGuard guard(logprobs.device());
-  const int64_t N = budget + 1;
-  auto opts = logprobs.options();
-  at::Tensor tokens = at::empty({R, N}, opts.dtype(at::kLong));
-  at::Tensor parents = at::empty({R, N}, opts.dtype(at::kInt));
-  at::Tensor depths = at::empty({R, N}, opts.dtype(at::kInt));
-  at::Tensor visible = at::empty({R, N, N}, opts.dtype(at::kBool));
-  if (R > 0) {
-    ddtree_build_kernel<<<R, kBuildThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        logprobs.data_ptr<float>(), token_ids.data_ptr<int64_t>(), root_tokens.data_ptr<int64_t>(), int(L),
-        int(K), int(budget), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(), depths.data_ptr<int32_t>(),
-        visible.data_ptr<bool>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return {tokens, parents, depths, visible};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_accept_cuda(const at::Tensor& tokens, const at::Tensor& parents,
                                                                 const at::Tensor& target_tokens) {
   const char* op = "kdtree::tree_accept";
@@ -413,7 +177,6 @@ void kv_commit_cuda(at::Tensor kv_cache, const at::Tensor& block_table, const at
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
-  m.impl("ddtree_build", &ddtree_build_cuda);
   m.impl("tree_accept", &tree_accept_cuda);
   m.impl("kv_commit", &kv_commit_cuda);
 }

@@ -20,15 +20,21 @@
 //   Small (few rows, and every config on sm_120's 99 KB): MT 1, RG 1 -> BM 16, BN 32, 2 stages,
 //   4 warps, 91 KB (2 CTAs/SM on sm_90).
 // What bounds it: FLOPs = M·S·2·(576 + 512) against bytes ≈ 1152·S per request (1.89·M FLOP/B);
-// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores.  Row blocks of one
+// below ~80 rows the key stream (HBM) bounds it, above it the tensor cores -- and there, with
+// mma.sync, the ldmatrix traffic: per 64x64 tile each warp reads ~76 KB of smem (Q 36 KB, K 18 KB,
+// P 4 KB, V 16 KB) for 272 mma, ~4.7k cycles per tile at 128 B/clk vs ~3.6k of mma at the
+// measured 645 TFLOP/s, so the 64-row tile tops out near 440 TFLOP/s on an H200 [calc].  Row blocks of one
 // (request, split) are adjacent in the grid (blockIdx.x), so they run together and share each
 // key page through L2: DRAM reads every page once per (request, split).
 //
 // Long contexts with few rows (flash-decoding): the grid has a static number of splits per
 // request (from static shapes: R, M, max_pages·page_size, SM count); on the device each split
-// takes chunk = roundup(max(ceil((L+N)/splits), 256), BN) keys, splits past the end exit.
+// takes chunk = roundup(max(ceil((L+N)/splits), min_chunk), BN) keys (min_chunk 64 keys up to
+// 32 rows, 128 up to 64, else 256: a split's Q load and partial O are worth that many keys),
+// splits past the end exit.
 // Partial O (normalised, fp32) and log2-LSE go to a workspace sized from static shapes; a
-// combine kernel merges them in fixed split order (deterministic).  One split writes the output
+// combine kernel (one block per row, 4 warps each summing every 4th split, then added in warp
+// order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "check.h"
 #include <ATen/ATen.h>
@@ -48,9 +54,12 @@ constexpr int kD = 576;               // key dim: 512 latent + 64 rope
 constexpr int kDV = 512;              // value dim: the latent part of the same row
 constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
 constexpr int kRowBytes = kD * 2;     // 1152
-constexpr int kMinChunk = 256;        // fewest keys per split worth a CTA (its Q load, the combine)
-constexpr int kMaxSplits = 128;
-constexpr int kCombineWarps = 4;
+// Fewest keys per split: a split costs its Q load and an fp32 partial O + its combine (4 KB per
+// row), so small row counts (decode) split down to 64 keys, large ones keep >= 256.
+__host__ __device__ constexpr int min_chunk_for_rows(int64_t M) { return M <= 32 ? 64 : (M <= 64 ? 128 : 256); }
+constexpr int kMaxSplits = 256;
+constexpr int kCombineWarps = 4;      // per (request, row) in the combine, each taking every 4th split
+constexpr int kCombineUnroll = 4;     // splits in flight per combine warp
 constexpr float kLn2 = 0.69314718055994531f;
 constexpr float kLog2e = 1.44269504088896341f;
 
@@ -69,6 +78,7 @@ struct Params {
   int64_t num_pages;
   int max_keys;                // max_pages * page_size
   int num_splits;
+  int min_chunk;               // min_chunk_for_rows(M)
   float scale_log2;            // softmax_scale * log2(e)
 };
 
@@ -146,11 +156,12 @@ struct Tile {
 };
 
 // Split s of request r covers keys [begin, end); empty when begin >= end.
-__device__ __forceinline__ void split_range(int total, int splits, int s, int bn, int& begin, int& end) {
+__device__ __forceinline__ void split_range(int total, int splits, int s, int bn, int min_chunk, int& begin,
+                                            int& end) {
   int chunk = (total + splits - 1) / splits;
-  chunk = max(chunk, kMinChunk);
+  chunk = max(chunk, min_chunk);
   chunk = (chunk + bn - 1) / bn * bn;
-  begin = min(s * chunk, total);  // s < splits <= 128 and chunk <= ceil(total/splits) + max(256, bn): no overflow
+  begin = min(s * chunk, total);  // s < splits <= 256 and chunk <= ceil(total/splits) + max(256, bn): no overflow
   end = min(total, begin + chunk);
 }
 
@@ -176,7 +187,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int L = min(max(p.cache_lens[r], 0), p.max_keys - N);
   const int total = L + N;
   int k_begin, k_end;
-  split_range(total, p.num_splits, split, BN, k_begin, k_end);
+  split_range(total, p.num_splits, split, BN, p.min_chunk, k_begin, k_end);
   if (k_begin >= k_end) {  // only splits > 0 can be empty: mark their rows for the combine
     for (int i = tid; i < kBM; i += T::kThreads)
       if (row0 + i < M) p.lse_part[(int64_t(r) * p.num_splits + split) * M + row0 + i] = -INFINITY;
@@ -436,26 +447,33 @@ mla_tree_attention_kernel(const Params p) {
 #endif
 }
 
-// One warp per (request, row): out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m), splits in order.
+// One block of kCombineWarps warps per (request, row): out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m).
+// Warp w sums the splits s ≡ w (mod kCombineWarps) in increasing s, kCombineUnroll loads in
+// flight; the warps' sums are then added in warp order: a fixed order, so deterministic.
 __global__ void __launch_bounds__(kCombineWarps * 32)
 mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part, int R, int M, int splits,
                    __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-  const int warp = blockIdx.x * kCombineWarps + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (warp >= R * M) return;
-  const int r = warp / M, row = warp - r * M;
+  __shared__ float4 part[kCombineWarps - 1][kDV / 4];
+  __shared__ float part_w[kCombineWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rr = blockIdx.x;  // (request, row)
+  if (rr >= R * M) return;
+  const int r = rr / M, row = rr - r * M;
   const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
   float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[base + int64_t(s) * M]);
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_part[base + int64_t(s) * M]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float4 acc[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   if (m != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
+#pragma unroll kCombineUnroll
+    for (int s = warp; s < splits; s += kCombineWarps) {
       const float ls = lse_part[base + int64_t(s) * M];
-      if (ls == -INFINITY) continue;  // empty split: its O was never written
-      const float w = exp2f(ls - m);
+      const float w = ls == -INFINITY ? 0.f : exp2f(ls - m);  // an empty split's O was never written
+      if (w == 0.f) continue;
       wsum += w;
       const float4* src = reinterpret_cast<const float4*>(o_part + (base + int64_t(s) * M) * kDV);
 #pragma unroll
@@ -468,12 +486,30 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
       }
     }
   }
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) part[warp - 1][lane + 32 * i] = acc[i];
+  }
+  if (lane == 0) part_w[warp] = wsum;
+  __syncthreads();
+  if (warp != 0) return;
+  for (int w = 1; w < kCombineWarps; ++w) {
+    wsum += part_w[w];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = part[w - 1][lane + 32 * i];
+      acc[i].x += v.x;
+      acc[i].y += v.y;
+      acc[i].z += v.z;
+      acc[i].w += v.w;
+    }
+  }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   uint2* dst = reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     dst[lane + 32 * i] = make_uint2(pack_bf16x2(acc[i].x * inv, acc[i].y * inv), pack_bf16x2(acc[i].z * inv, acc[i].w * inv));
-  if (lse != nullptr && lane == 0) lse[warp] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
+  if (lse != nullptr && lane == 0) lse[rr] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -487,22 +523,27 @@ template <int MT, int RG, int BN, int STAGES>
 void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t stream) {
   using T = Tile<MT, RG, BN, STAGES>;
   auto kernel = mla_tree_attention_kernel<MT, RG, BN, STAGES>;
-  // Idempotent; needed once per device for more than 48 KB of dynamic shared memory.
+  // Idempotent (not stream work, so allowed while capturing): more than 48 KB of dynamic shared
+  // memory, and the largest shared-memory carveout so that two small tiles fit on an sm_90 SM.
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      int(cudaSharedmemCarveoutMaxShared)));
   const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
   kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
-int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_keys, int bn) {
-  const int64_t limit = std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (max_keys + kMinChunk - 1) / kMinChunk));
+// The combine's share: its warps walk kCombineWarps * kCombineUnroll splits per round trip.
+int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_keys, int bn, int min_chunk) {
+  const int64_t limit = std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (max_keys + min_chunk - 1) / min_chunk));
   int best = 1;
   double best_cost = 0;
   for (int64_t s = 1; s <= limit; ++s) {
     const int64_t waves = (ctas_per_split * s + ctas_per_wave - 1) / ctas_per_wave;
-    const int64_t keys = std::max<int64_t>((max_keys + s - 1) / s, kMinChunk);
-    const double cost = double(waves) * double((keys + bn - 1) / bn + 4);
+    const int64_t keys = std::max<int64_t>((max_keys + s - 1) / s, min_chunk);
+    const double combine = s > 1 ? double((s + kCombineWarps * kCombineUnroll - 1) / (kCombineWarps * kCombineUnroll)) : 0.0;
+    const double cost = double(waves) * double((keys + bn - 1) / bn + 4) + combine;
     if (s == 1 || cost < 0.97 * best_cost) {
       best = int(s);
       best_cost = cost;
@@ -550,7 +591,8 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
               " tree entries with page_size ", page_size);
   KD_CHECK(max_keys <= (int64_t(1) << 24), op, ": max_pages * page_size must be <= 2^24, got ", max_keys);
   const int64_t M = N * H;
-  KD_CHECK(M <= (int64_t(1) << 22) && R <= 65535, op, ": N * H must be <= 2^22 and R <= 65535");
+  KD_CHECK(M <= (int64_t(1) << 22) && R <= 65535 && R * M <= int64_t(INT32_MAX), op,
+           ": N * H must be <= 2^22, R <= 65535 and R * N * H < 2^31");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kv_cache, &out})
     KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
   if (R == 0) return;
@@ -562,8 +604,11 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   const int bm = large ? LargeTile::kBM : SmallTile::kBM;
   const int bn = large ? 64 : 32;
   const int64_t row_blocks = (M + bm - 1) / bm;
-  const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * (large ? 1 : 2);
-  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn);
+  const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
+  const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
+  const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
+  const int min_chunk = min_chunk_for_rows(M);
+  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, min_chunk);
 
   Params p{};
   p.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
@@ -581,6 +626,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   p.num_pages = num_pages;
   p.max_keys = int(max_keys);
   p.num_splits = splits;
+  p.min_chunk = min_chunk;
   p.scale_log2 = float(softmax_scale * double(kLog2e));
   at::Tensor o_part, lse_part;
   if (splits > 1) {  // static size: one CUDA graph serves every length
@@ -595,8 +641,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   else
     launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
   if (splits > 1) {
-    const int64_t rows = R * M;
-    const unsigned blocks = unsigned((rows + kCombineWarps - 1) / kCombineWarps);
+    const unsigned blocks = unsigned(R * M);  // < 2^31 (checked above): one block per (request, row)
     mla_combine_kernel<<<blocks, kCombineWarps * 32, 0, stream>>>(p.o_part, p.lse_part, int(R), int(M), splits, p.out,
                                                                   p.lse);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,7 +1,7 @@
 """DDTree step ops: ``kdtree::ddtree_build``, ``kdtree::tree_accept``, ``kdtree::kv_commit``.
 
 The functions named ``*_reference`` are the ground truth and the CPU kernels; the CUDA kernels
-in ``csrc/ddtree.cu`` must equal them bit for bit.  Algorithm: shared/docs/ddtree.md.
+in ``csrc/ddtree_build.cu`` and ``csrc/ddtree.cu`` must equal them bit for bit.  Algorithm: shared/docs/ddtree.md.
 """
 from __future__ import annotations
 

@@ -1,0 +1,101 @@
+"""Kimi K2 greedy autoregressive decode on the GPU (issue 3): our model (paged latent cache,
+absorbed MLA kernel, CUDA-graph step) against its bandwidth floor and against transformers'
+``DeepseekV3ForCausalLM.generate`` (eager) on the same configuration, in the same run.
+
+Run (H200, ~2 min):  pytest bench/bench_kimi_decode.py --benchmark-only -s
+Configurations (bench_generate.py's random models, bf16, batch 1, 512-token random prompt, 256
+new tokens): (a) "2p2b" = hidden 2048, 8 layers, 64 experts top-8 + 1 shared, moe_intermediate
+512, dense 6144, K2's MLA dims with 16 heads, vocab 163840; (b) "k2_slice" = one TP-8 rank of K2
+(8 heads, 384 INT4 experts with intermediate 256, 4 layers).
+
+Floor = bytes one decode step must read (every non-expert weight but the embedding table, the
+k routed experts of each MoE layer, the latent KV of the context) / HBM bandwidth.  Two
+bandwidths are measured in this run: a device copy (read + write bytes / time) and a read-only
+reduction; the floor uses the larger, so the ratio is not flattered.
+Targets: (a) >= 15x transformers' tokens/s and >= 60 % of the floor; (b) within 1.5x of the floor.
+"""
+import functools
+import time
+
+import pytest
+import torch
+
+from .bench_generate import MARKS, floor_seconds, hf_deepseek_v3, target
+from .conftest import cuda_time_us, hbm_bandwidth_gbs, record
+
+PROMPT, NEW = 512, 256
+RATES: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def hbm_read_gbs() -> float:
+    """Read-only bandwidth: bytes / time of a sum over 2 GiB of bf16, measured now."""
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
+    us = cuda_time_us(lambda: x.sum(dtype=torch.float32), calls_per_graph=5, replays=5)
+    del x
+    return 2 * (1 << 30) / (us * 1e-6) / 1e9
+
+
+def _prompt(vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, vocab - 2, (1, PROMPT), generator=g).cuda()
+
+
+@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}, {"coordinate_descent_tuning": True}],
+                         ids=["eager_ops", "inductor", "combo", "coordinate_descent"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in ("2p2b", "k2_slice")])
+def test_kimi_greedy_decode(benchmark, name, compiled):
+    """generate(speculative=None): the step captured in a CUDA graph, its ops eager
+    (compile_step=False) or compiled by inductor first (compile_step=True; or with inductor's
+    combo kernels, which launch independent kernels together)."""
+    model = target(name)
+    ids = _prompt(model.config.vocab_size)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=NEW, eos_token_id=None, compile_step=compiled)  # capture, warm-up
+    setup_s = time.perf_counter() - t0
+
+    def run():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=NEW, eos_token_id=None, return_dict_in_generate=True,
+                             compile_step=compiled)
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    out, wall = benchmark.pedantic(run, rounds=3, iterations=1)
+    step_ms = out.step_seconds / NEW * 1e3
+    copy_bw, read_bw = hbm_bandwidth_gbs(), hbm_read_gbs()
+    floor_ms = floor_seconds(name, 0, PROMPT + NEW // 2, with_drafter=False) * 1e3 * copy_bw / max(copy_bw, read_bw)
+    RATES[name] = max(RATES.get(name, 0.0), NEW / wall)  # wall clock, prefill included, as transformers is timed
+    info = dict(op="kimi_decode", config=name, compile_step=str(compiled), setup_s=setup_s, prompt=PROMPT, new_tokens=NEW, ms_per_step=step_ms,
+                tokens_per_s=1e3 / step_ms, wall_tokens_per_s=NEW / wall, floor_ms=floor_ms,
+                floor_ratio=floor_ms / step_ms, copy_gbs=copy_bw, read_gbs=read_bw,
+                target="floor_ratio >= 0.6" if name == "2p2b" else "floor_ratio >= 0.667 (within 1.5x)")
+    record(benchmark, **info)
+
+
+@pytest.mark.parametrize("name", [pytest.param("2p2b", marks=MARKS["2p2b"])])
+def test_transformers_deepseek_v3_generate(benchmark, name):
+    """transformers' own DeepseekV3ForCausalLM (random weights, same configuration, bf16, its own
+    cache, eager), greedy, 512-token prompt, 256 new tokens."""
+    hf = hf_deepseek_v3(name)
+    ids = _prompt(hf.config.vocab_size)
+    common = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=4, **common)
+
+        def run():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=NEW, **common)
+            torch.cuda.synchronize()
+            return (out.shape[1] - PROMPT) / (time.perf_counter() - t0)
+
+        rate = benchmark.pedantic(run, rounds=1, iterations=1)
+    info = dict(op="transformers_generate", config=name, prompt=PROMPT, new_tokens=NEW, tokens_per_s=rate)
+    ours = RATES.get(name)
+    if ours is not None:
+        info.update(ours_tokens_per_s=ours, speedup=ours / rate, target="speedup >= 15")
+    record(benchmark, **info)
+    del hf
+    torch.cuda.empty_cache()
