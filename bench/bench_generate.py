@@ -5,7 +5,8 @@ Run (H200, ~3-5 min):  pytest bench/bench_generate.py --benchmark-only -s
 Environment: BENCH_TOKENS (default 2000, tokens per sustained generation), BENCH_HF_TOKENS
 (default 128: transformers' eager generate, ~50 tokens/s, is timed on fewer tokens),
 BENCH_ASSISTED_TOKENS (default 64), BENCH_COMPILE (default 1: steps compiled by inductor, as
-generate() does on CUDA; 0: eager ops in the graphs).
+generate() does on CUDA; 0: eager ops in the graphs), BENCH_STEP_BUDGETS (default
+0,8,16,32,64,128,256: the step-time table's budgets; each compiles once, ~20-30 s on the H200).
 
 Configurations (random weights, bf16, batch 1, 128-token random prompt):
 - "2p2b": hidden 2048, 8 layers (layer 0 dense, intermediate 6144), 64 routed experts top-8 +
@@ -45,7 +46,9 @@ COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"  # steps compiled by induc
 HF_TOKENS = int(os.environ.get("BENCH_HF_TOKENS", 128))
 ASSISTED_TOKENS = int(os.environ.get("BENCH_ASSISTED_TOKENS", 64))
 PROMPT = 128
-BUDGETS = (0, 8, 16, 32, 64, 128, 256)
+BUDGETS = tuple(int(b) for b in os.environ.get("BENCH_STEP_BUDGETS", "0,8,16,32,64,128,256").split(","))
+if not {0, 16} <= set(BUDGETS):
+    raise ValueError(f"BENCH_STEP_BUDGETS must include 0 (autoregressive) and 16 (the target's budget), got {BUDGETS}")
 BLOCK_SIZE = 8
 RESULTS: dict = {}
 
