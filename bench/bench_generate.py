@@ -132,8 +132,10 @@ def prompt(name: str) -> torch.Tensor:
     return torch.randint(0, CONFIGS[name]["vocab_size"] - 1, (1, PROMPT), generator=g).cuda()
 
 
-def floor_seconds(name: str, budget: int, context: int, with_drafter: bool) -> float:
-    """Bytes the step must read at least (module docstring) over the measured bandwidth."""
+def floor_seconds(name: str, budget: int, context: int, with_drafter: bool,
+                  bandwidth_gbs: float | None = None) -> float:
+    """Bytes the step must read at least (module docstring) over ``bandwidth_gbs`` (default: the
+    device-copy bandwidth measured in this run)."""
     model, c = target(name), CONFIGS[name]
     T = budget + 1
     E, k = c["n_routed_experts"], c["num_experts_per_tok"]
@@ -155,7 +157,7 @@ def floor_seconds(name: str, budget: int, context: int, with_drafter: bool) -> f
     if with_drafter:  # its weights and a second pass over the borrowed lm_head
         total += sum(p.numel() * p.element_size() for p in drafter(name).parameters())
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return total / (hbm_bandwidth_gbs() * 1e9)
+    return total / ((bandwidth_gbs or hbm_bandwidth_gbs()) * 1e9)
 
 
 def _configs():

@@ -65,7 +65,8 @@ def test_kimi_greedy_decode(benchmark, name, compiled):
     out, wall = benchmark.pedantic(run, rounds=3, iterations=1)
     step_ms = out.step_seconds / NEW * 1e3
     copy_bw, read_bw = hbm_bandwidth_gbs(), hbm_read_gbs()
-    floor_ms = floor_seconds(name, 0, PROMPT + NEW // 2, with_drafter=False) * 1e3 * copy_bw / max(copy_bw, read_bw)
+    floor_ms = floor_seconds(name, 0, PROMPT + NEW // 2, with_drafter=False,
+                             bandwidth_gbs=max(copy_bw, read_bw)) * 1e3
     RATES[name] = max(RATES.get(name, 0.0), NEW / wall)  # wall clock, prefill included, as transformers is timed
     info = dict(op="kimi_decode", config=name, compile_step=str(compiled), setup_s=setup_s, prompt=PROMPT, new_tokens=NEW, ms_per_step=step_ms,
                 tokens_per_s=1e3 / step_ms, wall_tokens_per_s=NEW / wall, floor_ms=floor_ms,

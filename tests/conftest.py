@@ -8,6 +8,12 @@ import torch_kdtree  # noqa: F401  (registers the ops)
 HAS_CUDA = torch.cuda.is_available() and torch_kdtree.build_info()["cuda_kernels"]
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and the compiled CUDA kernels")
 
+
+def requires_cuda_kernel(op: str):
+    """Skip unless a CUDA device is present and ``op`` (e.g. "kdtree::int4_moe") has a CUDA kernel."""
+    has = HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    return pytest.mark.skipif(not has, reason=f"needs a CUDA device and the {op} CUDA kernel")
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

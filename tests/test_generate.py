@@ -15,15 +15,13 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import HAS_CUDA
+from conftest import requires_cuda_kernel
 from torch_kdtree.models.dflash import DFlashDraftModel
 from torch_kdtree.models.generation import BudgetPlanner, OracleDrafter, process_logits
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 from torch_kdtree.ops import ddtree_build, tree_accept
 
-requires_mla_cuda = pytest.mark.skipif(
-    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_tree_attention", "CUDA")),
-    reason="needs a CUDA device and the kdtree::mla_tree_attention CUDA kernel")
+requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,16 +11,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, requires_cuda_kernel
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
 from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts, KimiK2MLP
 from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
 
 VOCAB = 128
 # The GPU decode path runs mla_tree_attention's CUDA kernel (branch mla); without it there is nothing to capture.
-requires_mla_cuda = pytest.mark.skipif(
-    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_tree_attention", "CUDA")),
-    reason="needs a CUDA device and the kdtree::mla_tree_attention CUDA kernel")
+requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -543,9 +541,7 @@ def test_decode_step_compiles_fullgraph_and_matches_eager(gemv_form, monkeypatch
 
 
 GPU_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}  # the kernel's smallest head count
-requires_int4_cuda = pytest.mark.skipif(
-    not (HAS_CUDA and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")),
-    reason="needs a CUDA device and the kdtree::int4_moe CUDA kernel")
+requires_int4_cuda = requires_cuda_kernel("kdtree::int4_moe")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

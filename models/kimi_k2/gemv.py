@@ -32,15 +32,11 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float()[..., None, :] * weight.float()).sum(-1)
 
 
-def _plain(module: nn.Linear) -> bool:
-    w = module.weight
-    return not (module._forward_hooks or module._forward_pre_hooks or hasattr(w, "placements"))
-
-
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; under torch.compile on CUDA with <= GEMV_ROWS rows, the same product as
     an fp32 multiply + sum (one fused reduction kernel), rounded to x's dtype like the GEMM."""
-    if use_gemv(x, module.weight) and _plain(module):
+    hooked = module._forward_hooks or module._forward_pre_hooks  # e.g. tensor-parallel wrappers
+    if use_gemv(x, module.weight) and not hooked:
         y = matvec(x, module.weight)
         if module.bias is not None:
             y = y + module.bias.float()
