@@ -8,30 +8,32 @@
 //
 // draft_topk / draft_topk_partial: ONE kernel, one thread-block cluster of S <= 8 CTAs (512
 // threads each) per row of logits [rows = R*L, V]; CTA c owns the row's entries [c*C, c*C + C)
-// and keeps them in registers as orderable keys (NV slots of 16 bytes per thread, 16-byte loads
-// where the row is aligned).  The CTAs talk through distributed shared memory and cluster
-// barriers (no workspace, no atomics in global memory, no second launch), three barriers a row:
-//  1. each CTA: max, sum(exp(x - CTA max)) (ex2.approx), and each thread's largest key.
-//  2. threshold tau = the k-th largest of the row's per-thread maxima (two 8-bit radix rounds
-//     on 16 key bits, every CTA summing the S histograms itself).  At least k entries are >= tau,
-//     so every top-k entry is; with 4096 threads per row it keeps ~1.15 k entries (k = 1024,
-//     normal logits) down to ~k (small k).  Fewer threads with entries than k: tau keeps all.
-//  3. every warp reserves slots in the leader CTA's candidate buffer (one remote atomic) and
-//     writes its entries >= tau there (distributed shared memory), each CTA its (max, sum) too.
-//  4. the leader combines the S (max, sum) pairs into log-sum-exp (the CTA holding the row max
-//     contributes its exp(x - max) terms unscaled).  More than 2048 candidates (ties, flat rows):
-//     the exact top k by a block radix select over the whole row, re-read from L2 (slow, never
-//     for the bench's rows).  More than 1024: trimmed to exactly k (block radix select).  Then a
-//     bitonic sort of the keys in registers (shuffles below stride 32, shared memory for
-//     32..256, in-thread above), and the first k are written.
+// and keeps them in registers as raw values (NV slots of 16 bytes per thread, 16-byte loads
+// where the row is aligned).  Per entry the hot passes do ~5 instructions (a shift or mask to
+// float, NaN-propagating bf16x2 maxima per slot, exp); orderable keys are made only in slots whose
+// max reaches the threshold (the old per-entry key conversion and two counting passes cost ~25).  No CTA writes another's shared memory; they read each other's
+// (distributed shared memory) after cluster barriers, two a row (one when k * S <= 512):
+//  1. each CTA: max, sum(exp(x - CTA max)) (ex2.approx), each thread's largest key, and a local
+//     threshold tau_c = the m-th largest of its 512 thread maxima (two 8-bit radix rounds on 16
+//     key bits, block barriers only), m = ceil(k / S): at least m entries of the CTA are >= tau_c.
+//     Barrier 1 (split: the exp sum runs between arrive and wait): tau = min over the CTAs, so at
+//     least S * m >= k entries of the row are >= tau and every top-k entry is.  With k * S <= 512
+//     each CTA takes m = k instead (its own top-k entries are >= tau_c) and skips barrier 1.
+//     Candidates kept (simulated, normal logits): ~1.35 k at k = 1024, ~35 at k = 16.
+//  2. each CTA compacts its entries >= tau into its own candidate list; barrier 2.
+//  3. every CTA reads the S lists (<= 2048 candidates in all; more, from ties or flat rows: the
+//     exact top k by a block radix select over the whole row re-read from L2 in every CTA, slow
+//     and never for the bench's rows), the S (max, sum) pairs (log-sum-exp), and counting-sorts
+//     the candidates by bucket = their value's top 16 bits above tau's (1024 buckets, the top one
+//     open-ended).  A candidate's position in the output = the candidates in higher buckets + the
+//     larger ones in its own bucket; CTA c places the candidates whose id hashes to c and writes
+//     those below k.  No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
+//  4. a split barrier (arrive after the last remote read, wait before exit) keeps every CTA's
+//     shared memory alive while the others read it.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
-// R=8, 13 us).  Measured (H200, first version with four barriers and no trim): R=1 14-19 us for
-// k <= 256, 30 us at k=1024; R=8 72-133 us: a row is a latency chain (load, barriers, the leader's
-// sort: 55 stages at k=1024, 15 at k=16, 64-bit keys, so the shuffle stages cost 2 warp-shuffles
-// per key against the SM's one per clock), and R=8 runs ~3.6 waves of such chains.  Per entry
-// ~25 instructions (convert, max, exp, compares).  bf16 V=163840 uses 64 registers (a few spill)
-// so two CTAs can share an SM at R=8; at R=1 the launch asks for over half an SM's shared memory
-// to keep one CTA per SM.  Clusters need sm_90+ (sm_90 and sm_120 are the build targets).
+// R=8, 13 us); a row is a latency chain (load, barriers), and R=8 runs ~3.6 waves of them.  bf16
+// V=163840 uses 64 registers so two CTAs can share an SM at R=8; at R=1 the launch asks for over
+// half an SM's shared memory to keep one CTA per SM.  Clusters need sm_90+ (the build targets).
 //
 // draft_topk_merge: csrc/topk_merge.cu; the block-wide select helpers: csrc/topk_select.cuh.
 //
@@ -60,25 +62,35 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 512;                 // per CTA
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCluster = 8;                // portable cluster size
-constexpr int kCap = 2048;                    // candidates the leader sorts, at most
+constexpr int kCap = 2048;                    // candidates of a row, at most (else the exact fallback)
+constexpr int kPer = kCap / kThreads;         // candidates a thread holds in the placement
 constexpr int kIdBits = 18;                   // index in the row < kMaxVocab
 constexpr uint32_t kIdMask = (1u << kIdBits) - 1u;
-constexpr int kDigitBins = 256;               // 8-bit digits
+constexpr int kDigitBins = 256;               // 8-bit digits of the threshold select
+constexpr int kBuckets = 1024;                // placement buckets
 static_assert((1 << kIdBits) >= kMaxVocab, "row index must fit its key bits");
 static_assert(2 * kDigitBins == kThreads, "one thread zeroes one bin of the two histograms");
-static_assert(kCap >= 2 * kMaxK && kCap % kThreads == 0 && kCap / kThreads <= 4, "sort layout");
+static_assert(kBuckets == 2 * kThreads, "two buckets per thread");
+static_assert(kCap >= kMaxK && kCap % kThreads == 0, "candidate layout");
 
 struct TopkShared {
   uint32_t hist[2][kDigitBins];  // this CTA's digit counts for the two threshold rounds
-  uint32_t warp_u[kWarps];       // warp max keys, later warp candidate counts
+  uint32_t bcnt[kBuckets];       // candidates per bucket (the whole row's)
+  uint32_t bpos[kBuckets];       // a bucket's start (candidates in higher buckets), then its end
+  uint32_t warp_u[kWarps];       // warp max keys
   float warp_f[kWarps];          // warp sums of exp
-  uint32_t scan_tot[kDigitBins / 32];
+  uint32_t scan_tot[32];
   uint32_t dec_bin, dec_above, dec_cnt, dec_found;  // the current digit's decision
-  uint32_t cursor;               // leader only: candidates claimed (may pass kCap)
-  float cta_max[kMaxCluster];    // leader only: each CTA's max and sum(exp(x - max))
-  float cta_sum[kMaxCluster];
-  float row_max, row_logsum;     // leader only
-  uint64_t cand[kCap];           // leader only: the gathered candidates' keys
+  uint32_t tau_c;                // published: this CTA's threshold
+  uint32_t ncand, ncand2;        // published: this CTA's candidates (after the fallback: ncand2)
+  float cta_max, cta_sum;        // published: this CTA's max and sum(exp(x - max))
+  uint32_t off[kMaxCluster + 1]; // where each CTA's list starts in the row's candidates
+  float row_max, row_logsum;
+  uint64_t cand[kCap];           // published: this CTA's candidates' keys
+  union {
+    uint64_t all[kCap];          // the row's candidates, in bucket order
+    SelectShared sel;            // the fallback's radix select
+  } u;
 };
 
 struct Digit {
@@ -86,17 +98,16 @@ struct Digit {
   bool found;
 };
 
-// One digit of a cluster-wide radix select.  Every CTA of the cluster calls it with the same
-// need after adding its keys' digits to `hist` (its own copy).  Returns, identically in every
-// CTA, the bin holding the need-th largest key counted over the cluster, the keys in higher bins
-// (above) and in that bin (cnt); found = false when fewer than need keys were counted.
-__device__ Digit cluster_pick(cg::cluster_group& cluster, TopkShared& sh, uint32_t* hist, int S, uint32_t need) {
-  cluster.sync();  // every CTA's counts are complete and visible (arrive.release / wait.acquire)
+// One digit of a block-wide radix select over 256 bins: every thread calls it after adding its
+// keys' digits to hist.  Returns, identically in every thread, the bin holding the need-th
+// largest key, the keys in higher bins (above) and in that bin (cnt); found = false when fewer
+// than need keys were counted.
+__device__ Digit block_digit(TopkShared& sh, const uint32_t* hist, uint32_t need) {
+  __syncthreads();  // counts complete
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t c = 0, incl = 0;
   if (t < kDigitBins) {  // warps 0..7, whole warps: thread t owns bin 255 - t (highest first)
-    const int bin = kDigitBins - 1 - t;
-    for (int r = 0; r < S; ++r) c += cluster.map_shared_rank(hist, r)[bin];
+    c = hist[kDigitBins - 1 - t];
     incl = c;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -109,7 +120,7 @@ __device__ Digit cluster_pick(cg::cluster_group& cluster, TopkShared& sh, uint32
   if (t < kDigitBins) {
     for (int w = 0; w < warp; ++w) incl += sh.scan_tot[w];
     const uint32_t excl = incl - c;  // keys in bins above mine
-    if (excl < need && need <= incl) {  // exactly one thread when the cluster counted >= need keys
+    if (excl < need && need <= incl) {  // exactly one thread when >= need keys were counted
       sh.dec_bin = uint32_t(kDigitBins - 1 - t);
       sh.dec_above = excl;
       sh.dec_cnt = c;
@@ -118,157 +129,66 @@ __device__ Digit cluster_pick(cg::cluster_group& cluster, TopkShared& sh, uint32
     if (t == kDigitBins - 1 && incl < need) sh.dec_found = 0;  // the only writer in that case
   }
   __syncthreads();
-  // The fields are rewritten only after the next cluster barrier, which every thread of this
-  // CTA reaches after reading them here.
+  // Rewritten only after the next call's second barrier, which every thread reaches after
+  // reading them here.
   return Digit{sh.dec_bin, sh.dec_above, sh.dec_cnt, sh.dec_found != 0};
 }
 
-// Bitonic sort, descending, of keys[0, n2) (n2 a power of two <= kCap) held in registers: thread
-// t holds element t + q * kThreads in v[q] for q < max(1, n2 / kThreads); threads whose elements
-// lie at or above n2 hold anything and only ever exchange with each other.  Strides below 32
-// use shuffles, strides >= kThreads stay in the thread, the rest go through buf[kCap].
-__device__ __forceinline__ uint64_t keep(uint64_t mine, uint64_t other, int i, int size, int stride) {
-  const bool desc = (i & size) == 0, lower = (i & stride) == 0;  // lower index keeps the larger key
-  return (lower == desc) ? (mine > other ? mine : other) : (mine < other ? mine : other);
-}
-__device__ __forceinline__ void cmpx(uint64_t& lo, uint64_t& hi, bool desc) {
-  if (desc ? lo < hi : lo > hi) {
-    const uint64_t x = lo;
-    lo = hi;
-    hi = x;
-  }
-}
-__device__ void bitonic_sort_any(uint64_t (&v)[4], int n2, uint64_t* buf) {
-  const int t = threadIdx.x;
-  const int Q = n2 > kThreads ? n2 / kThreads : 1;
-  for (int size = 2; size <= n2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      if (stride >= kThreads) {  // partner q ^ (stride / kThreads) in this thread; i & size is
-        if (stride == kThreads) {  // the same for both elements of a pair
-          cmpx(v[0], v[1], ((t + 0 * kThreads) & size) == 0);
-          if (Q == 4) cmpx(v[2], v[3], ((t + 2 * kThreads) & size) == 0);
-        } else {  // stride == 2 * kThreads, Q == 4
-          cmpx(v[0], v[2], ((t + 0 * kThreads) & size) == 0);
-          cmpx(v[1], v[3], ((t + 1 * kThreads) & size) == 0);
-        }
-      } else if (stride >= 32) {
-        __syncthreads();  // the previous stage's reads are done
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) buf[t + q * kThreads] = v[q];
-        __syncthreads();
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) {
-            const int i = t + q * kThreads;
-            v[q] = keep(v[q], buf[i ^ stride], i, size, stride);
-          }
-      } else if ((t & ~31) < n2) {  // warp-uniform: warps holding only padding (n2 < 512) idle,
-#pragma unroll                     // leaving the SM's shuffle unit to the others
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) {
-            const int i = t + q * kThreads;
-            v[q] = keep(v[q], __shfl_xor_sync(0xFFFFFFFFu, v[q], stride), i, size, stride);
-          }
-      }
-    }
-  }
-}
+// The two halves of a cluster barrier: arrive releases this thread's earlier writes (and ends
+// its reads of other CTAs' shared memory), wait acquires every CTA's released writes.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
-// The same with n2 fixed at compile time: every stage unrolled, its stride and the pair
-// directions constants (the runtime loop spends most of a stage on bookkeeping).
-template <int N2>
-__device__ __forceinline__ void bitonic_sort_fixed(uint64_t (&v)[4], uint64_t* buf) {
-  constexpr int n2 = N2;
-  constexpr int kLog = N2 <= 1 ? 0 : 1 + (N2 <= 2 ? 0 : 1 + (N2 <= 4 ? 0 : 1 + (N2 <= 8 ? 0 : 1 + (N2 <= 16 ? 0 : 1 +
-                       (N2 <= 32 ? 0 : 1 + (N2 <= 64 ? 0 : 1 + (N2 <= 128 ? 0 : 1 + (N2 <= 256 ? 0 : 1 +
-                       (N2 <= 512 ? 0 : 1 + (N2 <= 1024 ? 0 : 1))))))))));
-  static_assert((1 << kLog) == N2, "N2 is a power of two");
-  const int t = threadIdx.x;
-  constexpr int Q = n2 > kThreads ? n2 / kThreads : 1;
-#pragma unroll
-  for (int a = 1; a <= kLog; ++a) {
-    const int size = 1 << a;
-#pragma unroll
-    for (int b = a - 1; b >= 0; --b) {
-      const int stride = 1 << b;
-      if (stride >= kThreads) {  // partner q ^ (stride / kThreads) in this thread; i & size is
-        if (stride == kThreads) {  // the same for both elements of a pair
-          cmpx(v[0], v[1], ((t + 0 * kThreads) & size) == 0);
-          if (Q == 4) cmpx(v[2], v[3], ((t + 2 * kThreads) & size) == 0);
-        } else {  // stride == 2 * kThreads, Q == 4
-          cmpx(v[0], v[2], ((t + 0 * kThreads) & size) == 0);
-          cmpx(v[1], v[3], ((t + 1 * kThreads) & size) == 0);
-        }
-      } else if (stride >= 32) {
-        __syncthreads();  // the previous stage's reads are done
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) buf[t + q * kThreads] = v[q];
-        __syncthreads();
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) {
-            const int i = t + q * kThreads;
-            v[q] = keep(v[q], buf[i ^ stride], i, size, stride);
-          }
-      } else if ((t & ~31) < n2) {  // warp-uniform: warps holding only padding (n2 < 512) idle,
-#pragma unroll                     // leaving the SM's shuffle unit to the others
-        for (int q = 0; q < 4; ++q)
-          if (q < Q) {
-            const int i = t + q * kThreads;
-            v[q] = keep(v[q], __shfl_xor_sync(0xFFFFFFFFu, v[q], stride), i, size, stride);
-          }
-      }
-    }
-  }
-}
-
-// Bitonic sort of n2 <= kCap keys (see bitonic_sort_any); n2 <= 1024 takes an unrolled instance.
-__device__ void bitonic_sort_regs(uint64_t (&v)[4], int n2, uint64_t* buf) {
-  switch (n2) {
-    case 1: return;
-    case 2: bitonic_sort_fixed<2>(v, buf); return;
-    case 4: bitonic_sort_fixed<4>(v, buf); return;
-    case 8: bitonic_sort_fixed<8>(v, buf); return;
-    case 16: bitonic_sort_fixed<16>(v, buf); return;
-    case 32: bitonic_sort_fixed<32>(v, buf); return;
-    case 64: bitonic_sort_fixed<64>(v, buf); return;
-    case 128: bitonic_sort_fixed<128>(v, buf); return;
-    case 256: bitonic_sort_fixed<256>(v, buf); return;
-    case 512: bitonic_sort_fixed<512>(v, buf); return;
-    case 1024: bitonic_sort_fixed<1024>(v, buf); return;
-    default: bitonic_sort_any(v, n2, buf); return;
-  }
-}
-
-// Thread t of the CTA with cluster rank c holds NV slots of W = Tr::kVec consecutive entries:
+// Thread t of the CTA with cluster rank c holds NV slots of W = Tr::kVec consecutive raw values:
 // slot j covers chunk entries [(j * kThreads + t) * W, +W), chunk = row entries [c * C, c * C + n).
-// Keys are orderable value bits (bf16: two 16-bit keys per word, the even entry in the low half;
-// float32: one per word); 0 marks no entry (real keys are >= 0x7F: -inf maps there).
+// Entries past n read as -inf; they never become candidates (the compaction checks the index).
+// Per entry the hot passes only convert to float (a shift or a mask), take NaN-propagating maxima
+// (two bf16 at a time) and exp; orderable keys are made only for the few entries that can be
+// candidates (a slot whose max reaches the threshold).
+__device__ __forceinline__ uint32_t max_nan_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float ex2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 template <typename Tr>
 struct Slots;
 template <>
 struct Slots<Bf16> {
-  __device__ static uint32_t get(const uint4& s, int e) { return ((&s.x)[e >> 1] >> (16 * (e & 1))) & 0xFFFFu; }
-  __device__ static void convert(uint4& s, int nvalid) {  // raw bf16 bits -> keys
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t raw = (&s.x)[w];
-      const uint32_t lo = 2 * w < nvalid ? Bf16::orderable(raw & 0xFFFFu) : 0u;
-      const uint32_t hi = 2 * w + 1 < nvalid ? Bf16::orderable(raw >> 16) : 0u;
-      (&s.x)[w] = lo | (hi << 16);
-    }
+  static constexpr uint16_t kNegInf = 0xFF80u;
+  static constexpr uint32_t kNegInfWord = 0xFF80FF80u;
+  __device__ static uint32_t raw(const uint4& s, int e) { return ((&s.x)[e >> 1] >> (16 * (e & 1))) & 0xFFFFu; }
+  __device__ static float value(const uint4& s, int e) {
+    const uint32_t w = (&s.x)[e >> 1];
+    return __uint_as_float((e & 1) ? (w & 0xFFFF0000u) : (w << 16));
   }
+  __device__ static float slot_max(const uint4& s) {  // NaN if any entry is NaN
+    const uint32_t m = max_nan_bf16x2(max_nan_bf16x2(s.x, s.y), max_nan_bf16x2(s.z, s.w));
+    return max_nan(__uint_as_float(m << 16), __uint_as_float(m & 0xFFFF0000u));
+  }
+  __device__ static uint32_t raw_of(float x) { return __float_as_uint(x) >> 16; }  // x: a bf16 value
   __device__ static uint32_t top16(uint32_t key) { return key; }
 };
 template <>
 struct Slots<F32> {
-  __device__ static uint32_t get(const uint4& s, int e) { return (&s.x)[e]; }
-  __device__ static void convert(uint4& s, int nvalid) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) (&s.x)[w] = w < nvalid ? F32::orderable((&s.x)[w]) : 0u;
+  static constexpr uint32_t kNegInf = 0xFF800000u;
+  static constexpr uint32_t kNegInfWord = 0xFF800000u;
+  __device__ static uint32_t raw(const uint4& s, int e) { return (&s.x)[e]; }
+  __device__ static float value(const uint4& s, int e) { return __uint_as_float((&s.x)[e]); }
+  __device__ static float slot_max(const uint4& s) {
+    return max_nan(max_nan(__uint_as_float(s.x), __uint_as_float(s.y)),
+                   max_nan(__uint_as_float(s.z), __uint_as_float(s.w)));
   }
+  __device__ static uint32_t raw_of(float x) { return __float_as_uint(x); }
   __device__ static uint32_t top16(uint32_t key) { return key >> 16; }
 };
 
@@ -288,8 +208,8 @@ __device__ __forceinline__ float key_to_float(uint32_t key) {
 template <typename Tr, int NV>
 __global__ void __launch_bounds__(kThreads, (NV * Tr::kVec <= 40) ? 2 : 1)  // 2 CTAs per SM up to V = 163840
 topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int S, int k, bool vec_ok,
-                    int64_t vocab_start, bool partial, float* __restrict__ out_val, int64_t* __restrict__ out_id,
-                    float* __restrict__ out_lse) {
+                    bool local_tau, int64_t vocab_start, bool partial, float* __restrict__ out_val,
+                    int64_t* __restrict__ out_id, float* __restrict__ out_lse) {
   using Raw = typename Tr::Raw;
   using Sl = Slots<Tr>;
   constexpr int W = Tr::kVec;
@@ -304,14 +224,19 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   const Raw* src = logits + row * int64_t(V) + c0;
 
   (&sh.hist[0][0])[t] = 0;
-  if (t == 0) sh.cursor = 0;  // the others add to the leader's only after a cluster barrier
+  sh.bcnt[t] = 0;
+  sh.bcnt[t + kThreads] = 0;
+  if (t == 0) {
+    sh.ncand = 0;
+    sh.ncand2 = 0;
+  }
 
   // ---- load: 16-byte loads of whole slots where aligned, scalar loads for the rest ----
   uint4 s[NV];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int slot = j * kThreads + t;
-    s[j] = make_uint4(0u, 0u, 0u, 0u);
+    s[j] = make_uint4(Sl::kNegInfWord, Sl::kNegInfWord, Sl::kNegInfWord, Sl::kNegInfWord);
     if (vec_ok && (slot + 1) * W <= n) s[j] = __ldg(reinterpret_cast<const uint4*>(src) + slot);
   }
   if (!vec_ok || n % W != 0) {
@@ -321,7 +246,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       if (!(vec_ok && base + W <= n) && base < n) {
         Raw r[W];
 #pragma unroll
-        for (int e = 0; e < W; ++e) r[e] = base + e < n ? src[base + e] : Raw(0);
+        for (int e = 0; e < W; ++e) r[e] = base + e < n ? src[base + e] : Raw(Sl::kNegInf);
         if constexpr (W == 8) {
           s[j] = make_uint4(r[0] | (uint32_t(r[1]) << 16), r[2] | (uint32_t(r[3]) << 16),
                             r[4] | (uint32_t(r[5]) << 16), r[6] | (uint32_t(r[7]) << 16));
@@ -331,61 +256,88 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       }
     }
   }
-  uint32_t tmax = 0;  // this thread's largest key (0: it holds no entry)
+  // Slot maxima (NaN-propagating), kept for the compaction where registers allow.
+  constexpr bool kKeepMax = Tr::kBits == 16;
+  float smax[kKeepMax ? NV : 1];
+  float tmaxf = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    Sl::convert(s[j], n - (j * kThreads + t) * W);
-#pragma unroll
-    for (int e = 0; e < W; ++e) tmax = max(tmax, Sl::get(s[j], e));
+    const float m = Sl::slot_max(s[j]);
+    if constexpr (kKeepMax) smax[j] = m;
+    tmaxf = max_nan(tmaxf, m);
   }
+  // this thread's largest key (0: it holds no entry)
+  const uint32_t tmax = t * W < n ? Tr::orderable(Sl::raw_of(tmaxf)) : 0u;
   const uint32_t wmax = __reduce_max_sync(0xFFFFFFFFu, tmax);
   if (lane == 0) sh.warp_u[warp] = wmax;
   __syncthreads();  // histograms zeroed, warp maxima published
 
-  // ---- threshold: the k-th largest thread maximum, on 16 key bits (two 8-bit rounds) ----
-  // At least k entries (those maxima) are >= it, so every top-k entry is: it is a valid lower
-  // bound for the candidates, and with many more threads than k it keeps about 1.15 k entries.
+  // ---- local threshold: the m-th largest thread maximum, on 16 key bits (two 8-bit rounds) ----
+  // At least m entries of this CTA (those maxima) are >= it.  Fewer than m threads with entries:
+  // tau_c = 1 keeps them all.
   const uint32_t m16 = Sl::top16(tmax);
   hist_add(sh.hist[0], tmax != 0, m16 >> 8);  // warp-aggregated: most maxima share a bin
+  uint32_t tau_c = 1;
+  {
+    uint32_t need = local_tau ? uint32_t(k) : uint32_t((k + S - 1) / S);
+    const Digit hi = block_digit(sh, sh.hist[0], need);
+    if (hi.found) {
+      need -= hi.above;
+      hist_add(sh.hist[1], tmax != 0 && (m16 >> 8) == hi.bin, m16 & 0xFFu);
+      const Digit lo = block_digit(sh, sh.hist[1], need);  // found: bin hi.bin holds >= need maxima
+      const uint32_t t16 = (hi.bin << 8) | lo.bin;
+      tau_c = max(1u, Tr::kBits == 16 ? t16 : t16 << 16);
+    }
+  }
+  if (!local_tau) {
+    if (t == 0) sh.tau_c = tau_c;
+    cluster_arrive();  // barrier 1, first half
+  }
   uint32_t ckey = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) ckey = max(ckey, sh.warp_u[w]);
   const float cmax = ckey == 0 ? -INFINITY : key_to_float<Tr>(ckey);
-  float tsum = 0.0f;  // sum(exp(x - CTA max)), overlapping the cluster barrier below
+  float tsum = 0.0f;  // sum(exp(x - CTA max)), while the other CTAs reach barrier 1
   launder(s);
-  if (cmax != -INFINITY) {
+  if (cmax != -INFINITY) {  // entries past n are -inf: exp gives 0
+    constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
     for (int j = 0; j < NV; ++j)
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        const uint32_t key = Sl::get(s[j], e);
-        const float p = __expf(key_to_float<Tr>(key) - cmax);
-        tsum += key != 0 ? p : 0.0f;
-      }
+      for (int e = 0; e < W; ++e) tsum += ex2_approx((Sl::value(s[j], e) - cmax) * kLog2e);
   }
-  uint32_t tau = 1;  // candidates: key >= tau (1: every entry)
-  {
-    uint32_t need = uint32_t(k);
-    const Digit hi = cluster_pick(cluster, sh, sh.hist[0], S, need);
-    if (hi.found) {  // otherwise fewer than k threads hold entries: keep them all
-      need -= hi.above;
-      hist_add(sh.hist[1], tmax != 0 && (m16 >> 8) == hi.bin, m16 & 0xFFu);
-      const Digit lo = cluster_pick(cluster, sh, sh.hist[1], S, need);
-      const uint32_t t16 = (hi.bin << 8) | lo.bin;  // lo.found: bin hi.bin holds >= need maxima
-      tau = max(1u, Tr::kBits == 16 ? t16 : t16 << 16);
-    }
+  uint32_t tau = tau_c;  // candidates: key >= tau
+  if (!local_tau) {
+    cluster_wait();  // barrier 1, second half: every CTA's tau_c published
+    const uint32_t x = lane < S ? *cluster.map_shared_rank(&sh.tau_c, lane) : 0xFFFFFFFFu;
+    tau = __reduce_min_sync(0xFFFFFFFFu, x);
   }
 
-  // ---- gather the entries >= tau into the leader's cand[] (distributed shared memory) ----
-  // One remote atomic per warp reserves its slots; the sort makes the order irrelevant.  Past
-  // kCap nothing is written, and the leader falls back to an exact select (below).
-  auto id_key = [&](int j, int e) -> uint32_t { return kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e); };
+  // ---- compact this CTA's entries >= tau into its own list (one shared atomic per warp) ----
+  // Only slots whose max reaches tau's value (or is NaN) are looked at entry by entry.
+  float tau_f = tau <= Tr::orderable(Sl::kNegInf) ? -INFINITY : key_to_float<Tr>(tau);
+  if (!(tau_f == tau_f)) tau_f = -INFINITY;
+  auto slot_may_hold = [&](int j) -> bool {
+    float m;
+    if constexpr (kKeepMax) m = smax[j];
+    else m = Sl::slot_max(s[j]);
+    return !(m < tau_f);
+  };
+  auto take = [&](int j, int e, uint32_t& key) -> bool {
+    key = Tr::orderable(Sl::raw(s[j], e));
+    return (j * kThreads + t) * W + e < n && key >= tau;
+  };
   launder(s);
   uint32_t cnt = 0;
 #pragma unroll
   for (int j = 0; j < NV; ++j)
+    if (slot_may_hold(j)) {
 #pragma unroll
-    for (int e = 0; e < W; ++e) cnt += Sl::get(s[j], e) >= tau ? 1u : 0u;
+      for (int e = 0; e < W; ++e) {
+        uint32_t key;
+        cnt += take(j, e, key) ? 1u : 0u;
+      }
+    }
   uint32_t incl = cnt;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -393,42 +345,55 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     if (lane >= off) incl += x;
   }
   uint32_t base = 0;
-  if (lane == 31 && incl != 0) base = atomicAdd(cluster.map_shared_rank(&sh.cursor, 0), incl);
+  if (lane == 31 && incl != 0) base = atomicAdd(&sh.ncand, incl);
   base = __shfl_sync(0xFFFFFFFFu, base, 31);
   float ws = tsum;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
   if (lane == 0) sh.warp_f[warp] = ws;
-  {
+  if (cnt != 0) {
     launder(s);
-    uint64_t* dst = cluster.map_shared_rank(sh.cand, 0);
     uint32_t pos = base + incl - cnt;
 #pragma unroll
     for (int j = 0; j < NV; ++j)
+      if (slot_may_hold(j)) {
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        const uint32_t key = Sl::get(s[j], e);
-        if (key >= tau) {
-          if (pos < uint32_t(kCap)) dst[pos] = (uint64_t(key) << kIdBits) | id_key(j, e);
-          ++pos;
+        for (int e = 0; e < W; ++e) {
+          uint32_t key;
+          if (take(j, e, key)) {
+            if (pos < uint32_t(kCap))
+              sh.cand[pos] = (uint64_t(key) << kIdBits) | (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
+            ++pos;
+          }
         }
       }
   }
   __syncthreads();  // warp sums in place
-  if (t == 0) {     // this CTA's max and sum(exp(x - max)), into the leader's shared memory
+  if (t == 0) {
     float cs = 0.0f;
     for (int w = 0; w < kWarps; ++w) cs += sh.warp_f[w];
-    TopkShared* leader = cluster.map_shared_rank(&sh, 0);
-    leader->cta_max[rank] = cmax;
-    leader->cta_sum[rank] = cmax == -INFINITY ? 0.0f : cs;
+    sh.cta_max = cmax;
+    sh.cta_sum = cmax == -INFINITY ? 0.0f : cs;
   }
-  cluster.sync();  // candidates and statistics in the leader; nobody reads another CTA after this
-  if (rank != 0) return;
+  cluster.sync();  // barrier 2: every CTA's list, count and (max, sum) published
 
-  // ---- leader: the row's log-sum-exp ----
+  // ---- the row's log-sum-exp and the lists' offsets (warp 0, the same in every CTA) ----
+  auto publish_offsets = [&](bool second) {
+    const uint32_t c = lane < S ? (second ? cluster.map_shared_rank(&sh, lane)->ncand2
+                                          : cluster.map_shared_rank(&sh, lane)->ncand) : 0u;
+    uint32_t sc = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, sc, off);
+      if (lane >= off) sc += x;
+    }
+    if (lane == 0) sh.off[0] = 0;
+    if (lane < S) sh.off[lane + 1] = sc;
+  };
   if (warp == 0) {
-    const float m = lane < S ? sh.cta_max[lane] : -INFINITY;
-    const float sm = lane < S ? sh.cta_sum[lane] : 0.0f;
+    const TopkShared* rs = cluster.map_shared_rank(&sh, lane < S ? lane : 0);
+    const float m = lane < S ? rs->cta_max : -INFINITY;
+    const float sm = lane < S ? rs->cta_sum : 0.0f;
     float rm = m;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
@@ -440,13 +405,17 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       sh.row_max = rm;
       sh.row_logsum = logf(part);
     }
+    publish_offsets(false);
   }
-  __shared__ SelectShared sel;
-  const uint32_t total = sh.cursor;
-  int ncand = int(min(total, uint32_t(kCap)));
+  __syncthreads();
+  uint32_t total = sh.off[S];
+  // Bucket 0 starts 128 value steps below tau (in the local mode other CTAs' candidates may lie
+  // below this CTA's tau); values 1023 steps above share the top bucket.
+  uint32_t base16 = Sl::top16(tau) - min(Sl::top16(tau), 128u);
   if (total > uint32_t(kCap)) {
     // More than 2048 entries tie with or sit above tau (ties, flat rows; never for the bench's
-    // rows): the exact top k by a block radix select over the whole row, re-read from L2.
+    // rows): every CTA finds the exact k-th largest key of the whole row by a block radix
+    // select (re-reading the row from L2) and lists its own entries among the top k.
     const Raw* rowp = logits + row * int64_t(V);
     auto key_at = [&](int j, uint64_t& key) -> bool {
       const int i = j * kThreads + t;
@@ -460,72 +429,78 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const int iters = (V + kThreads - 1) / kThreads;
     uint64_t prefix;
     int shift;
-    radix_select<kThreads, 0>(sel, key_at, iters, kKeyBits, uint32_t(k), false, prefix, shift);
-    if (t == 0) sel.count = 0;
-    __syncthreads();
-    for (int j = 0; j < iters; ++j) {
-      uint64_t key;
-      const bool take = key_at(j, key) && shr(key, shift) >= prefix;
-      const int pos = warp_claim(take, &sel.count);
-      if (take && pos < k) sh.cand[pos] = key;
+    radix_select<kThreads, 0>(sh.u.sel, key_at, iters, kKeyBits, uint32_t(k), false, prefix, shift);
+    for (int i = t; i - t < n; i += kThreads) {  // warp-uniform trip count
+      const bool valid = i < n;
+      const uint64_t key = valid ? (uint64_t(Tr::orderable(uint32_t(src[i]))) << kIdBits) |
+                                       uint64_t(kIdMask - uint32_t(c0 + i)) : 0;
+      const bool take = valid && shr(key, shift) >= prefix;
+      const int pos = warp_claim(take, &sh.ncand2);
+      if (take) sh.cand[pos] = key;  // exactly k keys over the row: pos < k
     }
-    ncand = k;
+    base16 = Sl::top16(uint32_t((prefix << shift) >> kIdBits));
+    cluster.sync();  // every CTA's exact list published
+    if (warp == 0) publish_offsets(true);
+    __syncthreads();
+    total = sh.off[S];
   }
-  __syncthreads();  // cand[] and the row statistics in place
 
-  // ---- leader: sort the candidates, write the top k ----
-  int n2 = 1;
-  while (n2 < ncand) n2 <<= 1;
-  uint64_t v[4];
+  // ---- place: counting sort of the row's candidates by bucket, then ranks within buckets ----
+  auto bucket = [&](uint64_t key) -> uint32_t {
+    const uint32_t v16 = Sl::top16(uint32_t(key >> kIdBits));
+    return v16 <= base16 ? 0u : min(uint32_t(kBuckets - 1), v16 - base16);  // non-decreasing in key
+  };
+  uint64_t v[kPer];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int i = t + q * kThreads;
-    v[q] = i < ncand ? sh.cand[i] : 0;  // 0 sorts below every real key
-  }
-  if (n2 > kMaxK) {  // n2 = 2048 > next_pow2(k)
-    // More than 1024 candidates (k = 1024 keeps ~1.2 k): select the k largest first (block radix
-    // select, ~2 digits) so the bitonic sort runs over 1024 keys instead of 2048; the shuffle
-    // stages, bound by the SM's one warp-shuffle per clock, dominate its cost.
-    auto key_at = [&](int q, uint64_t& key) -> bool {
-      key = v[q];
-      return key != 0;
-    };
-    uint64_t prefix;
-    int shift;
-    radix_select<kThreads, 4>(sel, key_at, 4, kKeyBits, uint32_t(k), false, prefix, shift);
-    if (t == 0) sel.count = 0;
-    __syncthreads();  // every thread read its v[] from cand[] before radix_select's barriers
+  for (int q = 0; q < kPer; ++q) {
+    const uint32_t p = uint32_t(t + q * kThreads);
+    v[q] = 0;
+    if (p < total) {
+      int r = 0;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const bool take = v[q] != 0 && shr(v[q], shift) >= prefix;
-      const int pos = warp_claim(take, &sel.count);
-      if (take && pos < k) sh.cand[pos] = v[q];
-    }
-    __syncthreads();
-    n2 = next_pow2(k);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int i = t + q * kThreads;
-      v[q] = i < k ? sh.cand[i] : 0;
+      for (int i = 1; i < kMaxCluster; ++i)
+        if (i < S && sh.off[i] <= p) r = i;
+      const uint64_t* list = r == rank ? sh.cand : cluster.map_shared_rank(sh.cand, r);
+      v[q] = list[p - sh.off[r]];
+      atomicAdd(&sh.bcnt[bucket(v[q])], 1u);
     }
   }
-  bitonic_sort_regs(v, n2, sh.cand);
+  __syncthreads();  // bucket counts complete; every read of another CTA done
+  cluster_arrive();  // final barrier, first half
+  {
+    // thread t owns buckets hi = 1023 - 2t and hi - 1: starts = candidates in higher buckets
+    const int hi = kBuckets - 1 - 2 * t;
+    const uint32_t a = sh.bcnt[hi], b = sh.bcnt[hi - 1];
+    const uint32_t incl_b = block_inclusive_scan<kThreads>(a + b, sh.scan_tot);
+    const uint32_t excl = incl_b - (a + b);
+    sh.bpos[hi] = excl;
+    sh.bpos[hi - 1] = excl + a;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kPer; ++q)
+    if (v[q] != 0) sh.u.all[atomicAdd(&sh.bpos[bucket(v[q])], 1u)] = v[q];
+  __syncthreads();  // all[] in bucket order; bpos[b] = the end of bucket b
   const float m = sh.row_max, ls = sh.row_logsum;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int i = t + q * kThreads;
-    if (i < k) {
-      const uint64_t key = v[q];
-      const float x = key_to_float<Tr>(uint32_t(key >> kIdBits));
-      const int64_t o = row * k + i;
-      out_val[o] = partial ? x : (x - m) - ls;  // torch.log_softmax's (x - max) - log(sum)
-      out_id[o] = vocab_start + int64_t(kIdMask - uint32_t(key & kIdMask));
+  for (uint32_t p = t; p < total; p += kThreads) {
+    const uint64_t x = sh.u.all[p];
+    const uint32_t id = uint32_t(x & kIdMask);
+    if (int(((id * 2654435761u) >> 29) & uint32_t(S - 1)) != rank) continue;  // another CTA places it
+    const uint32_t b = bucket(x), end = sh.bpos[b];
+    const uint32_t begin = end - sh.bcnt[b];
+    uint32_t pos = begin;  // candidates in higher buckets, then the larger ones in this bucket
+    for (uint32_t j = begin; j < end; ++j) pos += sh.u.all[j] > x ? 1u : 0u;
+    if (pos < uint32_t(k)) {
+      const float xv = key_to_float<Tr>(uint32_t(x >> kIdBits));
+      const int64_t o = row * k + pos;
+      out_val[o] = partial ? xv : (xv - m) - ls;  // torch.log_softmax's (x - max) - log(sum)
+      out_id[o] = vocab_start + int64_t(kIdMask - id);
     }
   }
-  if (partial && t == 0) out_lse[row] = ls + m;  // torch.logsumexp's log(sum) + max
+  if (partial && rank == 0 && t == 0) out_lse[row] = ls + m;  // torch.logsumexp's log(sum) + max
+  cluster_wait();  // final barrier: no CTA leaves while another may still read its lists
 }
 
-// --------------------------------------------------------------------------------------------
 // host side
 // --------------------------------------------------------------------------------------------
 
@@ -610,6 +585,8 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
   using Raw = typename Tr::Raw;
   const int V = int(logits.size(2));
   const bool vec_ok = V % Tr::kVec == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  // Each CTA's own top-k bound (no threshold barrier) while the S lists stay short.
+  const bool local_tau = plan.S == 1 || k * plan.S <= kThreads;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(rows * plan.S));
   cfg.blockDim = dim3(kThreads);
@@ -623,7 +600,7 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_cluster_kernel<Tr, NV>, reinterpret_cast<const Raw*>(logits.data_ptr()),
-                                    V, plan.C, plan.S, int(k), vec_ok, vocab_start, partial,
+                                    V, plan.C, plan.S, int(k), vec_ok, local_tau, vocab_start, partial,
                                     out_val.data_ptr<float>(), out_id.data_ptr<int64_t>(),
                                     partial ? out_lse.data_ptr<float>() : static_cast<float*>(nullptr)));
 }
