@@ -134,6 +134,20 @@ __device__ Digit block_digit(TopkShared& sh, const uint32_t* hist, uint32_t need
   return Digit{sh.dec_bin, sh.dec_above, sh.dec_cnt, sh.dec_found != 0};
 }
 
+// A slot in bin `bin` of a counting sort (cursor[bin] = the bin's next free slot) for every
+// active lane, from one shared atomic per distinct bin in the warp.  All 32 lanes must call it.
+__device__ __forceinline__ uint32_t warp_bin_slot(uint32_t* cursor, bool active, uint32_t bin) {
+  const uint32_t act = __ballot_sync(0xFFFFFFFFu, active);
+  if (act == 0) return 0;
+  const int lane = threadIdx.x & 31;
+  const uint32_t peers = __match_any_sync(0xFFFFFFFFu, active ? bin : 0xFFFFFFFFu) & act;
+  const int leader = active ? __ffs(peers) - 1 : lane;
+  uint32_t base = 0;
+  if (active && lane == leader) base = atomicAdd(&cursor[bin], uint32_t(__popc(peers)));
+  base = __shfl_sync(0xFFFFFFFFu, base, leader);
+  return base + uint32_t(__popc(peers & ((1u << lane) - 1u)));
+}
+
 // The two halves of a cluster barrier: arrive releases this thread's earlier writes (and ends
 // its reads of other CTAs' shared memory), wait acquires every CTA's released writes.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
@@ -323,9 +337,12 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     else m = Sl::slot_max(s[j]);
     return !(m < tau_f);
   };
-  auto take = [&](int j, int e, uint32_t& key) -> bool {
-    key = Tr::orderable(Sl::raw(s[j], e));
-    return (j * kThreads + t) * W + e < n && key >= tau;
+  // key >= tau  <=>  !(value < tau_f): tau_f is the value of key tau, -0 == +0 in both orders,
+  // and NaN (the largest key) fails every float comparison.  Entries past n read as -inf: they
+  // pass only when tau_f = -inf, and are checked by index then.
+  const bool check_index = tau_f == -INFINITY;
+  auto take = [&](int j, int e) -> bool {
+    return !(Sl::value(s[j], e) < tau_f) && (!check_index || (j * kThreads + t) * W + e < n);
   };
   launder(s);
   uint32_t cnt = 0;
@@ -333,10 +350,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   for (int j = 0; j < NV; ++j)
     if (slot_may_hold(j)) {
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        uint32_t key;
-        cnt += take(j, e, key) ? 1u : 0u;
-      }
+      for (int e = 0; e < W; ++e) cnt += take(j, e) ? 1u : 0u;
     }
   uint32_t incl = cnt;
 #pragma unroll
@@ -359,10 +373,10 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       if (slot_may_hold(j)) {
 #pragma unroll
         for (int e = 0; e < W; ++e) {
-          uint32_t key;
-          if (take(j, e, key)) {
+          if (take(j, e)) {
             if (pos < uint32_t(kCap))
-              sh.cand[pos] = (uint64_t(key) << kIdBits) | (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
+              sh.cand[pos] = (uint64_t(Tr::orderable(Sl::raw(s[j], e))) << kIdBits) |
+                             (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
             ++pos;
           }
         }
@@ -462,8 +476,8 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
         if (i < S && sh.off[i] <= p) r = i;
       const uint64_t* list = r == rank ? sh.cand : cluster.map_shared_rank(sh.cand, r);
       v[q] = list[p - sh.off[r]];
-      atomicAdd(&sh.bcnt[bucket(v[q])], 1u);
     }
+    hist_add(sh.bcnt, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);  // one atomic per bucket and warp
   }
   __syncthreads();  // bucket counts complete; every read of another CTA done
   cluster_arrive();  // final barrier, first half
@@ -478,8 +492,10 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   }
   __syncthreads();
 #pragma unroll
-  for (int q = 0; q < kPer; ++q)
-    if (v[q] != 0) sh.u.all[atomicAdd(&sh.bpos[bucket(v[q])], 1u)] = v[q];
+  for (int q = 0; q < kPer; ++q) {
+    const uint32_t pos = warp_bin_slot(sh.bpos, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);
+    if (v[q] != 0) sh.u.all[pos] = v[q];
+  }
   __syncthreads();  // all[] in bucket order; bpos[b] = the end of bucket b
   const float m = sh.row_max, ls = sh.row_logsum;
   for (uint32_t p = t; p < total; p += kThreads) {
