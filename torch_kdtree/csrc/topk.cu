@@ -26,8 +26,8 @@
 //     and never for the bench's rows), the S (max, sum) pairs (log-sum-exp), and counting-sorts
 //     the candidates by bucket = their value's top 16 bits above tau's (1024 buckets, the top one
 //     open-ended).  A candidate's position in the output = the candidates in higher buckets + the
-//     larger ones in its own bucket; CTA c places the candidates whose id hashes to c and writes
-//     those below k.  No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
+//     larger ones in its own bucket; CTA c places a contiguous run of buckets (those starting
+//     below min(total, k), split by start into S runs) and writes the candidates placed below k.  No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
 //  4. a split barrier (arrive after the last remote read, wait before exit) keeps every CTA's
 //     shared memory alive while the others read it.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
@@ -85,6 +85,7 @@ struct TopkShared {
   uint32_t ncand, ncand2;        // published: this CTA's candidates (after the fallback: ncand2)
   float cta_max, cta_sum;        // published: this CTA's max and sum(exp(x - max))
   uint32_t off[kMaxCluster + 1]; // where each CTA's list starts in the row's candidates
+  uint32_t own_lo, own_hi;       // the bucket-order positions this CTA places
   float row_max, row_logsum;
   uint64_t cand[kCap];           // published: this CTA's candidates' keys
   union {
@@ -169,6 +170,12 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+// Per half: 0xFFFF where a >= b or unordered (NaN), else 0.
+__device__ __forceinline__ uint32_t geu_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("set.geu.u32.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 __device__ __forceinline__ float ex2_approx(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -243,6 +250,8 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   if (t == 0) {
     sh.ncand = 0;
     sh.ncand2 = 0;
+    sh.own_lo = 0xFFFFFFFFu;
+    sh.own_hi = 0;
   }
 
   // ---- load: 16-byte loads of whole slots where aligned, scalar loads for the rest ----
@@ -344,13 +353,23 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   auto take = [&](int j, int e) -> bool {
     return !(Sl::value(s[j], e) < tau_f) && (!check_index || (j * kThreads + t) * W + e < n);
   };
+  // bf16 above a finite threshold: two entries per comparison (HSET2, unordered counts as >=).
+  const bool packed = Tr::kBits == 16 && !check_index;
+  const uint32_t tau2 = Sl::raw_of(tau_f) * 0x10001u;
   launder(s);
   uint32_t cnt = 0;
 #pragma unroll
   for (int j = 0; j < NV; ++j)
     if (slot_may_hold(j)) {
+      if (packed) {
+        uint32_t c = 0;
 #pragma unroll
-      for (int e = 0; e < W; ++e) cnt += take(j, e) ? 1u : 0u;
+        for (int w = 0; w < 4; ++w) c += __popc(geu_bf16x2((&s[j].x)[w], tau2));
+        cnt += c >> 4;  // 16 bits per entry taken
+      } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) cnt += take(j, e) ? 1u : 0u;
+      }
     }
   uint32_t incl = cnt;
 #pragma unroll
@@ -368,17 +387,26 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   if (cnt != 0) {
     launder(s);
     uint32_t pos = base + incl - cnt;
+    auto emit = [&](int j, int e) {
+      if (pos < uint32_t(kCap))
+        sh.cand[pos] = (uint64_t(Tr::orderable(Sl::raw(s[j], e))) << kIdBits) |
+                       (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
+      ++pos;
+    };
 #pragma unroll
     for (int j = 0; j < NV; ++j)
       if (slot_may_hold(j)) {
+        if (packed) {
 #pragma unroll
-        for (int e = 0; e < W; ++e) {
-          if (take(j, e)) {
-            if (pos < uint32_t(kCap))
-              sh.cand[pos] = (uint64_t(Tr::orderable(Sl::raw(s[j], e))) << kIdBits) |
-                             (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
-            ++pos;
+          for (int w = 0; w < 4; ++w) {
+            const uint32_t r = geu_bf16x2((&s[j].x)[w], tau2);
+            if (r & 0xFFFFu) emit(j, 2 * w);
+            if (r & 0xFFFF0000u) emit(j, 2 * w + 1);
           }
+        } else {
+#pragma unroll
+          for (int e = 0; e < W; ++e)
+            if (take(j, e)) emit(j, e);
         }
       }
   }
@@ -491,17 +519,40 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     sh.bpos[hi - 1] = excl + a;
   }
   __syncthreads();
+  // CTA c places the buckets that start below tk = min(total, k) and whose start * S / tk is c:
+  // a contiguous range [own_lo, own_hi) of the bucket order, about tk / S candidates.
+  const uint32_t tk = min(total, uint32_t(k));
+  bool own[kPer];
+  uint32_t lo = 0xFFFFFFFFu, hi_end = 0;
 #pragma unroll
   for (int q = 0; q < kPer; ++q) {
-    const uint32_t pos = warp_bin_slot(sh.bpos, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);
-    if (v[q] != 0) sh.u.all[pos] = v[q];
+    own[q] = false;
+    if (v[q] != 0) {
+      const uint32_t b = bucket(v[q]), st = sh.bpos[b];
+      own[q] = st < tk && (st * uint32_t(S)) / tk == uint32_t(rank);
+      if (own[q]) {
+        lo = min(lo, st);
+        hi_end = max(hi_end, st + sh.bcnt[b]);
+      }
+    }
   }
-  __syncthreads();  // all[] in bucket order; bpos[b] = the end of bucket b
+  lo = __reduce_min_sync(0xFFFFFFFFu, lo);
+  hi_end = __reduce_max_sync(0xFFFFFFFFu, hi_end);
+  if (lane == 0 && lo != 0xFFFFFFFFu) {
+    atomicMin(&sh.own_lo, lo);
+    atomicMax(&sh.own_hi, hi_end);
+  }
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const uint32_t pos = warp_bin_slot(sh.bpos, own[q], own[q] ? bucket(v[q]) : 0u);
+    if (own[q]) sh.u.all[pos] = v[q];
+  }
+  __syncthreads();  // all[own_lo, own_hi) in bucket order; bpos[b] = the end of an owned bucket b
   const float m = sh.row_max, ls = sh.row_logsum;
-  for (uint32_t p = t; p < total; p += kThreads) {
+  const uint32_t own_lo = sh.own_lo, own_hi = sh.own_hi;  // lo = ~0, hi = 0: nothing to place
+  for (uint32_t p = own_lo + t; own_lo < own_hi && p < own_hi; p += kThreads) {  // neighbours: mostly one bucket
     const uint64_t x = sh.u.all[p];
     const uint32_t id = uint32_t(x & kIdMask);
-    if (int(((id * 2654435761u) >> 29) & uint32_t(S - 1)) != rank) continue;  // another CTA places it
     const uint32_t b = bucket(x), end = sh.bpos[b];
     const uint32_t begin = end - sh.bcnt[b];
     uint32_t pos = begin;  // candidates in higher buckets, then the larger ones in this bucket
