@@ -507,10 +507,8 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       const uint64_t* list = r == rank ? sh.cand : cluster.map_shared_rank(sh.cand, r);
       v[q] = list[p - sh.off[r]];
     }
-  }
-#pragma unroll
-  for (int q = 0; q < kPer; ++q)  // after every load is issued: one round trip, not kPer
     hist_add(sh.bcnt, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);  // one atomic per bucket and warp
+  }
   __syncthreads();  // bucket counts complete; every read of another CTA done
   cluster_arrive();  // final barrier, first half
   {
@@ -560,7 +558,6 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const uint32_t b = bucket(x), end = sh.bpos[b];
     const uint32_t begin = end - sh.bcnt[b];
     uint32_t pos = begin;  // candidates in higher buckets, then the larger ones in this bucket
-#pragma unroll 4
     for (uint32_t j = begin; j < end; ++j) pos += sh.u.all[j] > x ? 1u : 0u;
     if (pos < uint32_t(k)) {
       const float xv = key_to_float<Tr>(uint32_t(x >> kIdBits));
