@@ -10,9 +10,10 @@
 // threads each) per row of logits [rows = R*L, V]; CTA c owns the row's entries [c*C, c*C + C)
 // and keeps them in registers as raw values (NV slots of 16 bytes per thread, 16-byte loads
 // where the row is aligned).  Per entry the hot passes do ~5 instructions (a shift or mask to
-// float, NaN-propagating bf16x2 maxima per slot, exp); orderable keys are made only in slots whose
-// max reaches the threshold (the old per-entry key conversion and two counting passes cost ~25).  No CTA writes another's shared memory; they read each other's
-// (distributed shared memory) after cluster barriers, two a row (one when k * S <= 512):
+// float, NaN-propagating bf16x2 maxima per slot, exp); orderable keys are made only in slots
+// whose max reaches the threshold (the old per-entry key conversion and two counting passes
+// cost ~25).  No CTA writes another's shared memory; they read each other's (distributed shared
+// memory) after cluster barriers, two a row (one when k * S <= 512):
 //  1. each CTA: max, sum(exp(x - CTA max)) (ex2.approx), each thread's largest key, and a local
 //     threshold tau_c = the m-th largest of its 512 thread maxima (two 8-bit radix rounds on 16
 //     key bits, block barriers only), m = ceil(k / S): at least m entries of the CTA are >= tau_c.
@@ -27,7 +28,8 @@
 //     the candidates by bucket = their value's top 16 bits above tau's (1024 buckets, the top one
 //     open-ended).  A candidate's position in the output = the candidates in higher buckets + the
 //     larger ones in its own bucket; CTA c places a contiguous run of buckets (those starting
-//     below min(total, k), split by start into S runs) and writes the candidates placed below k.  No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
+//     below min(total, k), split by start into S runs) and writes the candidates placed below k.
+//     No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
 //  4. a split barrier (arrive after the last remote read, wait before exit) keeps every CTA's
 //     shared memory alive while the others read it.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
