@@ -19,7 +19,6 @@ static_assert(kBins % kRowThreads == 0, "bins split evenly over threads");
 
 struct Bf16 {
   using Raw = uint16_t;
-  using ChunkKey = uint32_t;  // 16 value bits + 14 index bits
   static constexpr int kBits = 16;
   static constexpr int kVec = 8;  // per 16-byte load
   __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw << 16); }
@@ -37,7 +36,6 @@ struct Bf16 {
 
 struct F32 {
   using Raw = uint32_t;
-  using ChunkKey = uint64_t;  // 32 value bits + 14 index bits
   static constexpr int kBits = 32;
   static constexpr int kVec = 4;
   __device__ static float to_float(uint32_t raw) { return __uint_as_float(raw); }
