@@ -327,7 +327,8 @@ def test_kernel_reads_unaligned_rows(dtype, fresh_seed):
 @pytest.mark.parametrize("R,k", [(1, 16), (1, 1024), (8, 64), (8, 1024)])
 @pytest.mark.parametrize("kind", ["normal", "spikes"])
 def test_kernel_matches_reference_at_the_bench_shape(R, k, kind, fresh_seed):
-    """R = 8 runs in waves (more CTAs than SMs): two CTAs of each cluster place the candidates."""
+    """R = 8 runs in waves (more CTAs than SMs, two per SM); k = 1024 there: the global threshold
+    with ~1.35k candidates a row."""
     gen = torch.Generator().manual_seed(fresh_seed)
     logits = make_logits(kind, (R, 15, 163840), torch.bfloat16, gen)
     check_against_reference(logits, k, draft_topk(logits.cuda(), k))
@@ -336,7 +337,8 @@ def test_kernel_matches_reference_at_the_bench_shape(R, k, kind, fresh_seed):
 @requires_cuda
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 def test_kernel_matches_reference_in_waves_float32(kind, fresh_seed):
-    """float32, scalar loads (V odd), 60 rows of 8 CTAs: the few-placers path with the f32 keys."""
+    """float32, scalar loads (V odd), 60 rows of 8 CTAs (in waves), the global threshold on f32
+    keys; "ties" rows take the exact fallback."""
     gen = torch.Generator().manual_seed(fresh_seed)
     logits = make_logits(kind, (4, 15, 100003), torch.float32, gen)
     check_against_reference(logits, 777, draft_topk(logits.cuda(), 777))
