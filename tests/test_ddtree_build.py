@@ -186,11 +186,7 @@ def test_cuda_kernel_bit_identical_to_reference(R, L, K, budget, ties, fresh_see
     g = torch.Generator().manual_seed(fresh_seed)
     lp, ids = random_logprobs(R, L, K, g, ties=ties)
     roots = torch.randint(0, 1000, (R,), generator=g)
-    ref = ddtree_build_reference(lp, ids, roots, budget)
-    poison_cuda_allocator()
-    out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
-    for name, a, b in zip(ref._fields, ref, out):
-        assert torch.equal(a, b.cpu()), f"{name} differs (seed {fresh_seed})"
+    _assert_kernel_matches_reference(lp, ids, budget, f"seed {fresh_seed}", roots)
 
 
 @requires_cuda
@@ -239,8 +235,8 @@ def _topk_drafts(R, L, K, g):
     return lp.values.contiguous(), lp.indices.contiguous()
 
 
-def _assert_kernel_matches_reference(lp, ids, budget, what):
-    roots = torch.arange(lp.shape[0]) + 3
+def _assert_kernel_matches_reference(lp, ids, budget, what, roots=None):
+    roots = torch.arange(lp.shape[0]) + 3 if roots is None else roots
     ref = ddtree_build_reference(lp, ids, roots, budget)
     poison_cuda_allocator()
     out = ddtree_build(lp.cuda(), ids.cuda(), roots.cuda(), budget)
