@@ -422,9 +422,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   cluster.sync();  // barrier 2: every CTA's list, count and (max, sum) published
 
   // ---- the row's log-sum-exp and the lists' offsets (warp 0, the same in every CTA) ----
-  auto publish_offsets = [&](bool second) {
-    const uint32_t c = lane < S ? (second ? cluster.map_shared_rank(&sh, lane)->ncand2
-                                          : cluster.map_shared_rank(&sh, lane)->ncand) : 0u;
+  auto publish_offsets = [&](uint32_t c) {  // c: lane's CTA's list length (0 for lanes >= S)
     uint32_t sc = c;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -438,6 +436,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const TopkShared* rs = cluster.map_shared_rank(&sh, lane < S ? lane : 0);
     const float m = lane < S ? rs->cta_max : -INFINITY;
     const float sm = lane < S ? rs->cta_sum : 0.0f;
+    const uint32_t nc = lane < S ? rs->ncand : 0u;  // issued with the two above: one round trip
     float rm = m;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
@@ -449,7 +448,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       sh.row_max = rm;
       sh.row_logsum = logf(part);
     }
-    publish_offsets(false);
+    publish_offsets(nc);
   }
   __syncthreads();
   uint32_t total = sh.off[S];
@@ -484,7 +483,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     }
     base16 = Sl::top16(uint32_t((prefix << shift) >> kIdBits));
     cluster.sync();  // every CTA's exact list published
-    if (warp == 0) publish_offsets(true);
+    if (warp == 0) publish_offsets(lane < S ? cluster.map_shared_rank(&sh, lane)->ncand2 : 0u);
     __syncthreads();
     total = sh.off[S];
   }
@@ -498,7 +497,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   };
   uint64_t v[kPer];
 #pragma unroll
-  for (int q = 0; q < kPer; ++q) {
+  for (int q = 0; q < kPer; ++q) {  // the kPer (mostly remote) loads in flight together
     const uint32_t p = uint32_t(t + q * kThreads);
     v[q] = 0;
     if (p < total) {
@@ -509,8 +508,10 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       const uint64_t* list = r == rank ? sh.cand : cluster.map_shared_rank(sh.cand, r);
       v[q] = list[p - sh.off[r]];
     }
-    hist_add(sh.bcnt, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);  // one atomic per bucket and warp
   }
+#pragma unroll
+  for (int q = 0; q < kPer; ++q)
+    hist_add(sh.bcnt, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);  // one atomic per bucket and warp
   __syncthreads();  // bucket counts complete; every read of another CTA done
   cluster_arrive();  // final barrier, first half
   {
