@@ -327,11 +327,31 @@ def test_kernel_reads_unaligned_rows(dtype, fresh_seed):
 @pytest.mark.parametrize("R,k", [(1, 16), (1, 1024), (8, 64), (8, 1024)])
 @pytest.mark.parametrize("kind", ["normal", "spikes"])
 def test_kernel_matches_reference_at_the_bench_shape(R, k, kind, fresh_seed):
-    """R = 8 runs in waves (more CTAs than SMs, two per SM); k = 1024 there: the global threshold
-    with ~1.35k candidates a row."""
+    """R = 8 runs in waves (more CTAs than SMs; the shared-memory chunk instance on an H200);
+    k = 1024 there: the global threshold with ~1.35k candidates a row."""
     gen = torch.Generator().manual_seed(fresh_seed)
     logits = make_logits(kind, (R, 15, 163840), torch.bfloat16, gen)
     check_against_reference(logits, k, draft_topk(logits.cuda(), k))
+
+
+@requires_cuda
+@pytest.mark.parametrize("chunk", ["registers", "shared"])
+@pytest.mark.parametrize("V,k", [(163840, 16), (163840, 1024), (130001, 300)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_both_chunk_instances(chunk, V, k, kind, monkeypatch, fresh_seed):
+    """bf16 rows of up to 163840 entries have two kernel instances: the CTA's chunk in registers
+    (one wave, and GPUs with little shared memory per SM) or in shared memory (three CTAs per SM,
+    in waves).  KDTREE_TOPK_CHUNK forces each here, on 30 rows (waves on an H200), one of
+    them with V odd (scalar loads, a short last chunk)."""
+    monkeypatch.setenv("KDTREE_TOPK_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    logits = make_logits(kind, (2, 15, V), torch.bfloat16, gen)
+    check_against_reference(logits, k, draft_topk(logits.cuda(), k))
+    part = draft_topk_partial(logits.cuda(), k, 3)
+    want = draft_topk_partial_reference(logits, k, 3)
+    assert torch.equal(part.token_ids.cpu(), want.token_ids)
+    assert torch.equal(part.values.cpu(), want.values)
+    torch.testing.assert_close(part.lse.cpu(), want.lse, equal_nan=True, **LP_TOL)
 
 
 @requires_cuda

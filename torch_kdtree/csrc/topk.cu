@@ -8,8 +8,8 @@
 //
 // draft_topk / draft_topk_partial: ONE kernel, one thread-block cluster of S <= 8 CTAs (512
 // threads each) per row of logits [rows = R*L, V]; CTA c owns the row's entries [c*C, c*C + C)
-// and keeps them in registers as raw values (NV slots of 16 bytes per thread, 16-byte loads
-// where the row is aligned).  Per entry the hot passes do ~5 instructions (a shift or mask to
+// and keeps them as raw values (NV slots of 16 bytes per thread, 16-byte loads where the row is
+// aligned) in registers or in its shared memory (see Bound below).  Per entry the hot passes do ~5 instructions (a shift or mask to
 // float, NaN-propagating bf16x2 maxima per slot, exp); orderable keys are made only in slots
 // whose max reaches the threshold (the old per-entry key conversion and two counting passes
 // cost ~25).  No CTA writes another's shared memory; they read each other's (distributed shared
@@ -33,8 +33,11 @@
 //  4. a split barrier (arrive after the last remote read, wait before exit) keeps every CTA's
 //     shared memory alive while the others read it.
 // Bound: one read of the logits (4.9 MB at R=1, L=15, V=163840 bf16, 1.6 us at 3 TB/s; 39 MB at
-// R=8, 13 us); a row is a latency chain (load, barriers), and R=8 runs ~3.6 waves of them.  bf16
-// V=163840 uses 64 registers so two CTAs can share an SM at R=8; at R=1 the launch asks for over
+// R=8, 13 us); a row is a latency chain (load, barriers), so the time is about (rows / clusters
+// held at once) x one row's latency.  bf16 V <= 163840 has two instances: the chunk in registers
+// (64 of them, two CTAs per SM) and the chunk in shared memory (40 registers, 67 KB, three CTAs
+// per SM on an H200: R=8's 120 rows then take 3 waves instead of 4); launches in waves take the
+// second where three fit (not on sm_120's 100 KB SMs).  At R=1 (one wave) the launch asks for over
 // half an SM's shared memory to keep one CTA per SM.  Clusters need sm_90+ (the build targets).
 //
 // draft_topk_merge: csrc/topk_merge.cu; the block-wide select helpers: csrc/topk_select.cuh.
@@ -49,7 +52,10 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 
 namespace kdtree {
@@ -90,11 +96,26 @@ struct TopkShared {
   uint32_t own_lo, own_hi;       // the bucket-order positions this CTA places
   float row_max, row_logsum;
   uint64_t cand[kCap];           // published: this CTA's candidates' keys
-  union {
-    uint64_t all[kCap];          // the row's candidates, in bucket order
-    SelectShared sel;            // the fallback's radix select
-  } u;
 };
+// Dynamic shared memory: the CTA's chunk of raw logits (NV slots of 16 bytes per thread) until
+// the compaction, then the placement's (or the fallback's) scratch; never read by other CTAs.
+union TopkScratch {
+  uint64_t all[kCap];            // the row's candidates, in bucket order
+  SelectShared sel;              // the fallback's radix select
+};
+// kSmem: the chunk lives in this dynamic shared memory (the passes re-read it) instead of
+// registers, so an instance needs ~40 registers and three CTAs share an SM where shared memory
+// allows (H200: 3 x 67 KB); the register instances use 64 (two per SM) or more.
+extern __shared__ uint4 topk_dyn[];
+template <int NV, bool kSmem>
+constexpr size_t dyn_smem_bytes() {
+  constexpr size_t chunk = kSmem ? sizeof(uint4) * NV * kThreads : 0;
+  return chunk > sizeof(TopkScratch) ? chunk : sizeof(TopkScratch);
+}
+template <typename Tr, int NV, bool kSmem>
+constexpr int min_ctas_per_sm() {
+  return kSmem ? 3 : (NV * Tr::kVec <= 40 ? 2 : 1);  // register instances: 2 up to V = 163840
+}
 
 struct Digit {
   uint32_t bin, above, cnt;
@@ -215,12 +236,15 @@ struct Slots<F32> {
   __device__ static uint32_t top16(uint32_t key) { return key >> 16; }
 };
 
-// An empty asm that "rewrites" the slots: values unpacked from them in one pass cannot be kept
-// alive into the next (the compiler would otherwise hold every unpacked key and spill).
-template <int NV>
+// An empty asm that "rewrites" the register slots: values unpacked from them in one pass cannot
+// be kept alive into the next (the compiler would otherwise hold every unpacked key and spill).
+// A no-op for shared-memory chunks (their registers are dead after the load).
+template <bool kSmem, int NV>
 __device__ __forceinline__ void launder(uint4 (&s)[NV]) {
+  if constexpr (!kSmem) {
 #pragma unroll
-  for (int j = 0; j < NV; ++j) asm volatile("" : "+r"(s[j].x), "+r"(s[j].y), "+r"(s[j].z), "+r"(s[j].w));
+    for (int j = 0; j < NV; ++j) asm volatile("" : "+r"(s[j].x), "+r"(s[j].y), "+r"(s[j].z), "+r"(s[j].w));
+  }
 }
 
 template <typename Tr>
@@ -228,8 +252,8 @@ __device__ __forceinline__ float key_to_float(uint32_t key) {
   return Tr::to_float(Tr::from_orderable(key));
 }
 
-template <typename Tr, int NV>
-__global__ void __launch_bounds__(kThreads, (NV * Tr::kVec <= 40) ? 2 : 1)  // 2 CTAs per SM up to V = 163840
+template <typename Tr, int NV, bool kSmem>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<Tr, NV, kSmem>())
 topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, int S, int k, bool vec_ok,
                     bool local_tau, int64_t vocab_start, bool partial, float* __restrict__ out_val,
                     int64_t* __restrict__ out_id, float* __restrict__ out_lse) {
@@ -238,6 +262,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   constexpr int W = Tr::kVec;
   constexpr int kKeyBits = Tr::kBits + kIdBits;
   __shared__ TopkShared sh;
+  TopkScratch& scratch = *reinterpret_cast<TopkScratch*>(topk_dyn);
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   const int64_t row = blockIdx.x / S;
@@ -281,16 +306,22 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       }
     }
   }
-  // Slot maxima (NaN-propagating), kept for the compaction where registers allow.
-  constexpr bool kKeepMax = Tr::kBits == 16;
+  // Slot maxima (NaN-propagating), kept for the compaction where registers allow.  A thread's
+  // slots in shared memory are only ever read back by the thread itself: no barrier.
+  constexpr bool kKeepMax = Tr::kBits == 16 && !kSmem;
   float smax[kKeepMax ? NV : 1];
   float tmaxf = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const float m = Sl::slot_max(s[j]);
     if constexpr (kKeepMax) smax[j] = m;
+    if constexpr (kSmem) topk_dyn[j * kThreads + t] = s[j];
     tmaxf = max_nan(tmaxf, m);
   }
+  auto slot_at = [&](int j) -> uint4 {
+    if constexpr (kSmem) return topk_dyn[j * kThreads + t];
+    else return s[j];
+  };
   // this thread's largest key (0: it holds no entry)
   const uint32_t tmax = t * W < n ? Tr::orderable(Sl::raw_of(tmaxf)) : 0u;
   const uint32_t wmax = __reduce_max_sync(0xFFFFFFFFu, tmax);
@@ -323,13 +354,15 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   for (int w = 0; w < kWarps; ++w) ckey = max(ckey, sh.warp_u[w]);
   const float cmax = ckey == 0 ? -INFINITY : key_to_float<Tr>(ckey);
   float tsum = 0.0f;  // sum(exp(x - CTA max)), while the other CTAs reach barrier 1
-  launder(s);
+  launder<kSmem>(s);
   if (cmax != -INFINITY) {  // entries past n are -inf: exp gives 0
     constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
-    for (int j = 0; j < NV; ++j)
+    for (int j = 0; j < NV; ++j) {
+      const uint4 sj = slot_at(j);
 #pragma unroll
-      for (int e = 0; e < W; ++e) tsum += ex2_approx((Sl::value(s[j], e) - cmax) * kLog2e);
+      for (int e = 0; e < W; ++e) tsum += ex2_approx((Sl::value(sj, e) - cmax) * kLog2e);
+    }
   }
   uint32_t tau = tau_c;  // candidates: key >= tau
   if (!local_tau) {
@@ -342,37 +375,39 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   // Only slots whose max reaches tau's value (or is NaN) are looked at entry by entry.
   float tau_f = tau <= Tr::orderable(Sl::kNegInf) ? -INFINITY : key_to_float<Tr>(tau);
   if (!(tau_f == tau_f)) tau_f = -INFINITY;
-  auto slot_may_hold = [&](int j) -> bool {
+  auto slot_may_hold = [&](int j, const uint4& sj) -> bool {
     float m;
     if constexpr (kKeepMax) m = smax[j];
-    else m = Sl::slot_max(s[j]);
+    else m = Sl::slot_max(sj);
     return !(m < tau_f);
   };
   // key >= tau  <=>  !(value < tau_f): tau_f is the value of key tau, -0 == +0 in both orders,
   // and NaN (the largest key) fails every float comparison.  Entries past n read as -inf: they
   // pass only when tau_f = -inf, and are checked by index then.
   const bool check_index = tau_f == -INFINITY;
-  auto take = [&](int j, int e) -> bool {
-    return !(Sl::value(s[j], e) < tau_f) && (!check_index || (j * kThreads + t) * W + e < n);
+  auto take = [&](const uint4& sj, int j, int e) -> bool {
+    return !(Sl::value(sj, e) < tau_f) && (!check_index || (j * kThreads + t) * W + e < n);
   };
   // bf16 above a finite threshold: two entries per comparison (HSET2, unordered counts as >=).
   const bool packed = Tr::kBits == 16 && !check_index;
   const uint32_t tau2 = Sl::raw_of(tau_f) * 0x10001u;
-  launder(s);
+  launder<kSmem>(s);
   uint32_t cnt = 0;
 #pragma unroll
-  for (int j = 0; j < NV; ++j)
-    if (slot_may_hold(j)) {
+  for (int j = 0; j < NV; ++j) {
+    const uint4 sj = slot_at(j);
+    if (slot_may_hold(j, sj)) {
       if (packed) {
         uint32_t c = 0;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) c += __popc(geu_bf16x2((&s[j].x)[w], tau2));
+        for (int w = 0; w < 4; ++w) c += __popc(geu_bf16x2((&sj.x)[w], tau2));
         cnt += c >> 4;  // 16 bits per entry taken
       } else {
 #pragma unroll
-        for (int e = 0; e < W; ++e) cnt += take(j, e) ? 1u : 0u;
+        for (int e = 0; e < W; ++e) cnt += take(sj, j, e) ? 1u : 0u;
       }
     }
+  }
   uint32_t incl = cnt;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -387,30 +422,32 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
   if (lane == 0) sh.warp_f[warp] = ws;
   if (cnt != 0) {
-    launder(s);
+    launder<kSmem>(s);
     uint32_t pos = base + incl - cnt;
-    auto emit = [&](int j, int e) {
+    auto emit = [&](const uint4& sj, int j, int e) {
       if (pos < uint32_t(kCap))
-        sh.cand[pos] = (uint64_t(Tr::orderable(Sl::raw(s[j], e))) << kIdBits) |
+        sh.cand[pos] = (uint64_t(Tr::orderable(Sl::raw(sj, e))) << kIdBits) |
                        (kIdMask - uint32_t(c0 + (j * kThreads + t) * W + e));
       ++pos;
     };
 #pragma unroll
-    for (int j = 0; j < NV; ++j)
-      if (slot_may_hold(j)) {
+    for (int j = 0; j < NV; ++j) {
+      const uint4 sj = slot_at(j);
+      if (slot_may_hold(j, sj)) {
         if (packed) {
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
-            const uint32_t r = geu_bf16x2((&s[j].x)[w], tau2);
-            if (r & 0xFFFFu) emit(j, 2 * w);
-            if (r & 0xFFFF0000u) emit(j, 2 * w + 1);
+            const uint32_t r = geu_bf16x2((&sj.x)[w], tau2);
+            if (r & 0xFFFFu) emit(sj, j, 2 * w);
+            if (r & 0xFFFF0000u) emit(sj, j, 2 * w + 1);
           }
         } else {
 #pragma unroll
           for (int e = 0; e < W; ++e)
-            if (take(j, e)) emit(j, e);
+            if (take(sj, j, e)) emit(sj, j, e);
         }
       }
+    }
   }
   __syncthreads();  // warp sums in place
   if (t == 0) {
@@ -472,7 +509,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const int iters = (V + kThreads - 1) / kThreads;
     uint64_t prefix;
     int shift;
-    radix_select<kThreads, 0>(sh.u.sel, key_at, iters, kKeyBits, uint32_t(k), false, prefix, shift);
+    radix_select<kThreads, 0>(scratch.sel, key_at, iters, kKeyBits, uint32_t(k), false, prefix, shift);
     for (int i = t; i - t < n; i += kThreads) {  // warp-uniform trip count
       const bool valid = i < n;
       const uint64_t key = valid ? (uint64_t(Tr::orderable(uint32_t(src[i]))) << kIdBits) |
@@ -550,18 +587,18 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
 #pragma unroll
   for (int q = 0; q < kPer; ++q) {
     const uint32_t pos = warp_bin_slot(sh.bpos, own[q], own[q] ? bucket(v[q]) : 0u);
-    if (own[q]) sh.u.all[pos] = v[q];
+    if (own[q]) scratch.all[pos] = v[q];
   }
   __syncthreads();  // all[own_lo, own_hi) in bucket order; bpos[b] = the end of an owned bucket b
   const float m = sh.row_max, ls = sh.row_logsum;
   const uint32_t own_lo = sh.own_lo, own_hi = sh.own_hi;  // lo = ~0, hi = 0: nothing to place
   for (uint32_t p = own_lo + t; own_lo < own_hi && p < own_hi; p += kThreads) {  // neighbours: mostly one bucket
-    const uint64_t x = sh.u.all[p];
+    const uint64_t x = scratch.all[p];
     const uint32_t id = uint32_t(x & kIdMask);
     const uint32_t b = bucket(x), end = sh.bpos[b];
     const uint32_t begin = end - sh.bcnt[b];
     uint32_t pos = begin;  // candidates in higher buckets, then the larger ones in this bucket
-    for (uint32_t j = begin; j < end; ++j) pos += sh.u.all[j] > x ? 1u : 0u;
+    for (uint32_t j = begin; j < end; ++j) pos += scratch.all[j] > x ? 1u : 0u;
     if (pos < uint32_t(k)) {
       const float xv = key_to_float<Tr>(uint32_t(x >> kIdBits));
       const int64_t o = row * k + pos;
@@ -607,51 +644,59 @@ void check_logits(const char* op, const at::Tensor& logits, int64_t k) {
   KD_CHECK(k <= V, op, ": k = ", k, " exceeds the vocabulary size V = ", V);
 }
 
-// A launch with no more CTAs than SMs (R = 1: 120 CTAs) is latency bound, and each CTA has a
-// whole SM's worth of per-entry work; the 64-register instances would let two CTAs share an SM.
-// Asking for more than half of an SM's shared memory keeps them one per SM, used only when the
-// GPU still holds every cluster at once that way (cudaOccupancyMaxActiveClusters, cached per
-// instance, S and device).  Returns the dynamic shared memory to request (0: no spreading).
-template <typename Tr, int NV>
-size_t spread_smem(int64_t rows, int S, cudaStream_t stream) {
+// The dynamic shared memory to request.  A launch with no more CTAs than SMs (R = 1: 120 CTAs)
+// is latency bound, and each CTA has a whole SM's worth of per-entry work; asking for more than
+// half of an SM's shared memory keeps the CTAs one per SM, used only when the GPU still holds
+// every cluster at once that way (cudaOccupancyMaxActiveClusters, cached per instance, S and
+// device).  Otherwise the instance's own need (its chunk and scratch).
+template <typename Tr, int NV, bool kSmem>
+size_t launch_smem(int64_t rows, int S, cudaStream_t stream) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
-  if (rows * S > prop->multiProcessorCount || device >= 64) return 0;
-  const size_t dyn = prop->sharedMemPerMultiprocessor / 2 + 1;
-  auto kernel = topk_cluster_kernel<Tr, NV>;
-  cudaFuncAttributes fa;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-  if (fa.sharedSizeBytes + dyn > prop->sharedMemPerBlockOptin) return 0;
-  static std::atomic<int> max_clusters[4][64];  // [log2 S][device]: max active clusters + 1, 0 = unknown
-  const int lg = S >= 8 ? 3 : S >= 4 ? 2 : S >= 2 ? 1 : 0;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
-  int cached = max_clusters[lg][device].load();
-  if (cached == 0) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned(rows * S));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = dyn;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(S);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // no answer: do not spread
-      n = 0;
+  auto kernel = topk_cluster_kernel<Tr, NV, kSmem>;
+  const size_t need = dyn_smem_bytes<NV, kSmem>();
+  size_t dyn = need;
+  const size_t spread = std::max(need, prop->sharedMemPerMultiprocessor / 2 + 1);
+  if (rows * S <= prop->multiProcessorCount && device < 64 && sizeof(TopkShared) + spread <= prop->sharedMemPerBlockOptin) {
+    cudaFuncAttributes fa;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    if (fa.sharedSizeBytes + spread <= prop->sharedMemPerBlockOptin) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(spread)));
+      static std::atomic<int> max_clusters[4][64];  // [log2 S][device]: max active clusters + 1, 0 = unknown
+      const int lg = S >= 8 ? 3 : S >= 4 ? 2 : S >= 2 ? 1 : 0;
+      int cached = max_clusters[lg][device].load();
+      if (cached == 0) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(unsigned(S));
+        cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = spread;
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = unsigned(S);
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+          (void)cudaGetLastError();  // no answer: do not spread
+          n = 0;
+        }
+        cached = n + 1;
+        max_clusters[lg][device].store(cached);
+      }
+      if (rows <= int64_t(cached - 1)) dyn = spread;
     }
-    cached = n + 1;
-    max_clusters[lg][device].store(cached);
   }
-  return rows <= int64_t(cached - 1) ? dyn : 0;
+  // Static plus dynamic shared memory above 48 KB needs the opt-in (the launch fails otherwise).
+  if (sizeof(TopkShared) + dyn + 1024 > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+  return dyn;
 }
 
-template <typename Tr, int NV>
+template <typename Tr, int NV, bool kSmem>
 void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& plan, int64_t k, int64_t vocab_start,
                     bool partial, at::Tensor& out_val, at::Tensor& out_id, at::Tensor& out_lse) {
   using Raw = typename Tr::Raw;
@@ -663,7 +708,7 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
   cfg.gridDim = dim3(unsigned(rows * plan.S));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = at::cuda::getCurrentCUDAStream();
-  cfg.dynamicSmemBytes = spread_smem<Tr, NV>(rows, plan.S, cfg.stream);  // unused by the kernel
+  cfg.dynamicSmemBytes = launch_smem<Tr, NV, kSmem>(rows, plan.S, cfg.stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = unsigned(plan.S);
@@ -671,10 +716,27 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_cluster_kernel<Tr, NV>, reinterpret_cast<const Raw*>(logits.data_ptr()),
-                                    V, plan.C, plan.S, int(k), vec_ok, local_tau, vocab_start, partial,
-                                    out_val.data_ptr<float>(), out_id.data_ptr<int64_t>(),
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_cluster_kernel<Tr, NV, kSmem>,
+                                    reinterpret_cast<const Raw*>(logits.data_ptr()), V, plan.C, plan.S, int(k), vec_ok,
+                                    local_tau, vocab_start, partial, out_val.data_ptr<float>(),
+                                    out_id.data_ptr<int64_t>(),
                                     partial ? out_lse.data_ptr<float>() : static_cast<float*>(nullptr)));
+}
+
+// Whether to run the shared-memory-chunk instance with NV slots: when the launch runs in waves
+// (more CTAs than SMs; one wave is latency bound and keeps the register instance) and three of
+// its CTAs fit on one SM (H200: yes; sm_120, 100 KB per SM: no, the register instance keeps two
+// per SM).  KDTREE_TOPK_CHUNK=registers or =shared forces one (tests run both on one GPU).
+template <int NV>
+bool use_smem_chunk(const at::Tensor& logits, int64_t rows, int S) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(logits.get_device());
+  const size_t per_cta = sizeof(TopkShared) + dyn_smem_bytes<NV, true>() + prop->reservedSharedMemPerBlock;
+  const bool fits = 3 * per_cta <= prop->sharedMemPerMultiprocessor;
+  if (const char* e = std::getenv("KDTREE_TOPK_CHUNK"); e != nullptr && e[0] != 0) {
+    if (std::strcmp(e, "registers") == 0) return false;
+    if (std::strcmp(e, "shared") == 0) return per_cta <= prop->sharedMemPerBlockOptin;
+  }
+  return fits && rows * S > prop->multiProcessorCount;
 }
 
 void dispatch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, bool partial, at::Tensor& out_val,
@@ -687,13 +749,15 @@ void dispatch_topk(const at::Tensor& logits, int64_t k, int64_t vocab_start, boo
   KD_CHECK(rows * plan.S <= INT32_MAX, "draft_topk: R * L = ", rows, " rows is too many for one launch");
   // Instances: bf16 nv in {2, 5, 8} (V <= 65536, V = 163840, V <= 262144); float32 {4, 10, 16}.
   if (bf16) {
-    if (plan.nv <= 2) launch_cluster<Bf16, 2>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
-    else if (plan.nv <= 5) launch_cluster<Bf16, 5>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
-    else launch_cluster<Bf16, 8>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    if (plan.nv <= 2) launch_cluster<Bf16, 2, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else if (plan.nv <= 5 && use_smem_chunk<5>(logits, rows, plan.S))
+      launch_cluster<Bf16, 5, true>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else if (plan.nv <= 5) launch_cluster<Bf16, 5, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else launch_cluster<Bf16, 8, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
   } else {
-    if (plan.nv <= 4) launch_cluster<F32, 4>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
-    else if (plan.nv <= 10) launch_cluster<F32, 10>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
-    else launch_cluster<F32, 16>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    if (plan.nv <= 4) launch_cluster<F32, 4, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else if (plan.nv <= 10) launch_cluster<F32, 10, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
+    else launch_cluster<F32, 16, false>(logits, rows, plan, k, vocab_start, partial, out_val, out_id, out_lse);
   }
 }
 
