@@ -339,10 +339,11 @@ def test_kernel_matches_reference_at_the_bench_shape(R, k, kind, fresh_seed):
 @pytest.mark.parametrize("kind,shape,dtype,k", [("spikes", (8, 15, 163840), torch.bfloat16, 1024),
                                                 ("ties", (4, 15, 100003), torch.float32, 777)])
 def test_kernel_many_inputs_in_waves(kind, shape, dtype, k, fresh_seed):
-    """Launches in waves (more CTAs than the GPU holds at once), 40 fresh inputs each.  Found in
-    session 4 (runs 21-22, H200): in ~3 % of such launches (spikes, R = 8, k = 1024) the output at
-    position 0 of a row is garbage, and a float32 "ties" row (exact fallback) can come out wrong
-    as a whole; one-wave launches never showed it.  Kept as a plain test until the race is fixed."""
+    """Launches in waves (more CTAs than the GPU holds at once), 40 fresh inputs each.  Session 4
+    (runs 21-22, H200) found, this way, a race in the placement (bucket starts read while other
+    warps' scatter advanced them): ~3 % of such launches (spikes, R = 8, k = 1024) had a garbage
+    output at position 0 of a row, and a float32 "ties" row (exact fallback) could come out wrong
+    as a whole; one-wave launches never showed it."""
     gen = torch.Generator().manual_seed(fresh_seed)
     bad = []
     for it in range(40):
