@@ -584,6 +584,12 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     atomicMin(&sh.own_lo, lo);
     atomicMax(&sh.own_hi, hi_end);
   }
+  // Every warp has read the bucket starts before any warp's scatter advances them: a warp that
+  // read a start already advanced by another warp's scatter took its candidates for another CTA's
+  // (dropping them) and stretched own_hi over unwritten entries, whose garbage keys then landed
+  // on output positions (mostly position 0).  Seen only in launches in waves (warps of a CTA far
+  // apart in time); racecheck does not report it (the writes are atomics).
+  __syncthreads();
 #pragma unroll
   for (int q = 0; q < kPer; ++q) {
     const uint32_t pos = warp_bin_slot(sh.bpos, own[q], own[q] ? bucket(v[q]) : 0u);
