@@ -11,7 +11,7 @@ from torch_kdtree.ops.topk import _top_order
 from torch_kdtree.ops import (draft_topk, draft_topk_merge, draft_topk_merge_reference, draft_topk_partial,
                               draft_topk_partial_reference, draft_topk_reference)
 
-KINDS = ["normal", "peaked", "flat", "equal", "ties", "masked", "ramp", "spikes"]
+KINDS = ["normal", "peaked", "flat", "equal", "ties", "masked", "ramp", "spikes", "low_block"]
 LP_TOL = dict(atol=1e-5, rtol=1e-6)  # float32 rounding of (x - max) - log(sum)
 
 
@@ -36,6 +36,12 @@ def make_logits(kind: str, shape, dtype, gen: torch.Generator) -> torch.Tensor:
         x[torch.rand(shape, generator=gen) < 0.5] = -math.inf
     elif kind == "ramp":  # increasing along the vocabulary: the whole top-k in the last ids
         x = torch.arange(V).float() * (8.0 / V) + torch.randn(R, L, 1, generator=gen)
+    elif kind == "low_block":  # one eighth of the vocabulary far below the rest (all negative);
+        # with V = 163840 it is exactly one CTA's chunk, whose own threshold is then far below
+        # the row's top (the kernel's buckets must not depend on it)
+        x = torch.randn(shape, generator=gen) * 3
+        lo, hi = 3 * V // 8, 4 * V // 8
+        x[..., lo:hi] = torch.randn(R, L, hi - lo, generator=gen) * 0.1 - 5
     elif kind == "spikes":  # the bench's drafter-like rows: a normal band, a few tokens far above it
         x = torch.randn(shape, generator=gen) * 2
         hot = torch.randint(V, (R, L, min(64, V)), generator=gen)

@@ -25,8 +25,8 @@
 //  3. every CTA reads the S lists (<= 2048 candidates in all; more, from ties or flat rows: the
 //     exact top k by a block radix select over the whole row re-read from L2 in every CTA, slow
 //     and never for the bench's rows), the S (max, sum) pairs (log-sum-exp), and counting-sorts
-//     the candidates by bucket = their value's top 16 bits above tau's (1024 buckets, the top one
-//     open-ended).  A candidate's position in the output = the candidates in higher buckets + the
+//     the candidates by bucket = their value's top 16 bits above the smallest tau_c's (1024
+//     buckets, the top one open-ended; the same buckets in every CTA).  A candidate's position in the output = the candidates in higher buckets + the
 //     larger ones in its own bucket; CTA c places a contiguous run of buckets (those starting
 //     below min(total, k), split by start into S runs) and writes the candidates placed below k.
 //     No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
@@ -90,6 +90,7 @@ struct TopkShared {
   uint32_t scan_tot[32];
   uint32_t dec_bin, dec_above, dec_cnt, dec_found;  // the current digit's decision
   uint32_t tau_c;                // published: this CTA's threshold
+  uint32_t tau_min;              // the smallest tau_c of the cluster (the placement's bucket base)
   uint32_t ncand, ncand2;        // published: this CTA's candidates (after the fallback: ncand2)
   float cta_max, cta_sum;        // published: this CTA's max and sum(exp(x - max))
   uint32_t off[kMaxCluster + 1]; // where each CTA's list starts in the row's candidates
@@ -345,10 +346,8 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       tau_c = max(1u, Tr::kBits == 16 ? t16 : t16 << 16);
     }
   }
-  if (!local_tau) {
-    if (t == 0) sh.tau_c = tau_c;
-    cluster_arrive();  // barrier 1, first half
-  }
+  if (t == 0) sh.tau_c = tau_c;  // read after barrier 1 (global threshold) or 2 (bucket base)
+  if (!local_tau) cluster_arrive();  // barrier 1, first half
   uint32_t ckey = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) ckey = max(ckey, sh.warp_u[w]);
@@ -474,6 +473,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const float m = lane < S ? rs->cta_max : -INFINITY;
     const float sm = lane < S ? rs->cta_sum : 0.0f;
     const uint32_t nc = lane < S ? rs->ncand : 0u;  // issued with the two above: one round trip
+    const uint32_t tmin = __reduce_min_sync(0xFFFFFFFFu, lane < S ? rs->tau_c : 0xFFFFFFFFu);
     float rm = m;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
@@ -484,14 +484,20 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     if (lane == 0) {
       sh.row_max = rm;
       sh.row_logsum = logf(part);
+      sh.tau_min = tmin;
     }
     publish_offsets(nc);
   }
   __syncthreads();
   uint32_t total = sh.off[S];
-  // Bucket 0 starts 128 value steps below tau (in the local mode other CTAs' candidates may lie
-  // below this CTA's tau); values 1023 steps above share the top bucket.
-  uint32_t base16 = Sl::top16(tau) - min(Sl::top16(tau), 128u);
+  // The buckets, the same in every CTA of the cluster (each CTA decides ownership from its own
+  // bucket starts, so the starts must agree): bucket 0 starts 128 value steps below the smallest
+  // tau_c (every candidate is above it), values 1023 steps above share the top bucket.  With
+  // each CTA's own tau_c (local mode) a CTA whose chunk lies far below the row's top (an
+  // all-negative block of the vocabulary) put every top candidate in its top bucket at start 0,
+  // so no CTA placed the positions it should have.
+  const uint32_t tau_all = sh.tau_min;
+  uint32_t base16 = Sl::top16(tau_all) - min(Sl::top16(tau_all), 128u);
   if (total > uint32_t(kCap)) {
     // More than 2048 entries tie with or sit above tau (ties, flat rows; never for the bench's
     // rows): every CTA finds the exact k-th largest key of the whole row by a block radix
