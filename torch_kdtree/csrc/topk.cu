@@ -26,9 +26,10 @@
 //     exact top k by a block radix select over the whole row re-read from L2 in every CTA, slow
 //     and never for the bench's rows), the S (max, sum) pairs (log-sum-exp), and counting-sorts
 //     the candidates by bucket = their value's top 16 bits above the smallest tau_c's (1024
-//     buckets, the top one open-ended; the same buckets in every CTA).  A candidate's position in the output = the candidates in higher buckets + the
-//     larger ones in its own bucket; CTA c places a contiguous run of buckets (those starting
-//     below min(total, k), split by start into S runs) and writes the candidates placed below k.
+//     buckets, the top one open-ended; the same buckets in every CTA).  A candidate's position in
+//     the output = the candidates in higher buckets + the larger ones in its own bucket; CTA c
+//     places a contiguous run of buckets (those starting below min(total, k), split by start into
+//     S runs) and writes the candidates placed below k.
 //     No sort: the old leader's bitonic sort of ~1.2 k keys took ~10 us at k = 1024.
 //  4. a split barrier (arrive after the last remote read, wait before exit) keeps every CTA's
 //     shared memory alive while the others read it.
@@ -496,8 +497,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   // each CTA's own tau_c (local mode) a CTA whose chunk lies far below the row's top (an
   // all-negative block of the vocabulary) put every top candidate in its top bucket at start 0,
   // so no CTA placed the positions it should have.
-  const uint32_t tau_all = sh.tau_min;
-  uint32_t base16 = Sl::top16(tau_all) - min(Sl::top16(tau_all), 128u);
+  uint32_t base16 = Sl::top16(sh.tau_min) - min(Sl::top16(sh.tau_min), 128u);
   if (total > uint32_t(kCap)) {
     // More than 2048 entries tie with or sit above tau (ties, flat rows; never for the bench's
     // rows): every CTA finds the exact k-th largest key of the whole row by a block radix
