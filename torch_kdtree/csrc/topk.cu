@@ -160,20 +160,6 @@ __device__ Digit block_digit(TopkShared& sh, const uint32_t* hist, uint32_t need
   return Digit{sh.dec_bin, sh.dec_above, sh.dec_cnt, sh.dec_found != 0};
 }
 
-// A slot in bin `bin` of a counting sort (cursor[bin] = the bin's next free slot) for every
-// active lane, from one shared atomic per distinct bin in the warp.  All 32 lanes must call it.
-__device__ __forceinline__ uint32_t warp_bin_slot(uint32_t* cursor, bool active, uint32_t bin) {
-  const uint32_t act = __ballot_sync(0xFFFFFFFFu, active);
-  if (act == 0) return 0;
-  const int lane = threadIdx.x & 31;
-  const uint32_t peers = __match_any_sync(0xFFFFFFFFu, active ? bin : 0xFFFFFFFFu) & act;
-  const int leader = active ? __ffs(peers) - 1 : lane;
-  uint32_t base = 0;
-  if (active && lane == leader) base = atomicAdd(&cursor[bin], uint32_t(__popc(peers)));
-  base = __shfl_sync(0xFFFFFFFFu, base, leader);
-  return base + uint32_t(__popc(peers & ((1u << lane) - 1u)));
-}
-
 // The two halves of a cluster barrier: arrive releases this thread's earlier writes (and ends
 // its reads of other CTAs' shared memory), wait acquires every CTA's released writes.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
@@ -552,9 +538,12 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       v[q] = list[p - sh.off[r]];
     }
   }
+  // Plain shared atomics, one per candidate: the candidates of a warp fall in many buckets, and
+  // warp aggregation (match_any, as hist_add does) cost more than the few conflicts it saves
+  // (measured, R 1 k 1024: histogram 3.7k -> 1.9k cycles, scatter 4.1k -> 3.1k, 14.1 -> 12.7 us).
 #pragma unroll
   for (int q = 0; q < kPer; ++q)
-    hist_add(sh.bcnt, v[q] != 0, v[q] != 0 ? bucket(v[q]) : 0u);  // one atomic per bucket and warp
+    if (v[q] != 0) atomicAdd(&sh.bcnt[bucket(v[q])], 1u);
   __syncthreads();  // bucket counts complete; every read of another CTA done
   cluster_arrive();  // final barrier, first half
   {
@@ -597,10 +586,8 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   // apart in time); racecheck does not report it (the writes are atomics).
   __syncthreads();
 #pragma unroll
-  for (int q = 0; q < kPer; ++q) {
-    const uint32_t pos = warp_bin_slot(sh.bpos, own[q], own[q] ? bucket(v[q]) : 0u);
-    if (own[q]) scratch.all[pos] = v[q];
-  }
+  for (int q = 0; q < kPer; ++q)
+    if (own[q]) scratch.all[atomicAdd(&sh.bpos[bucket(v[q])], 1u)] = v[q];  // any order in a bucket
   __syncthreads();  // all[own_lo, own_hi) in bucket order; bpos[b] = the end of an owned bucket b
   const float m = sh.row_max, ls = sh.row_logsum;
   const uint32_t own_lo = sh.own_lo, own_hi = sh.own_hi;  // lo = ~0, hi = 0: nothing to place
