@@ -691,3 +691,33 @@ def test_rank_topk_equals_topk_with_lower_index_first_on_ties():
         assert torch.equal(rank_topk(x, k), x.topk(k, dim=-1).indices)
     ties = torch.tensor([[0.5, 2.0, 0.5, 2.0, -float("inf"), 0.5]])
     assert rank_topk(ties, 5).tolist() == [[1, 3, 0, 2, 5]]
+
+
+@pytest.mark.parametrize("T,E,want_rank", [(17, 64, True), (1024, 64, True), (1025, 64, False), (28, 384, True),
+                                           (29, 384, False)])
+def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monkeypatch):
+    """Compiled on CUDA (forced here), the router picks experts by rank counting up to T * E^2 <=
+    2^22 (the tree verify's rows too, not only decode's): same ids and weights as eager topk."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    cfg = KimiK2Config(hidden_size=32, n_routed_experts=E, num_experts_per_tok=8, n_group=1, topk_group=1,
+                       norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = moe.KimiK2Router(cfg)
+    g = torch.Generator().manual_seed(T + E)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, 32, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    x = torch.randn(T, 32, generator=g)
+    want_ids, want_w = router(x)  # eager: topk
+    calls = []
+    real = moe.rank_topk
+    monkeypatch.setattr(moe, "rank_topk", lambda c, k: calls.append(c.shape) or real(c, k))
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    torch._dynamo.reset()
+    try:
+        ids, w = torch.compile(router, backend="aot_eager", fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    assert bool(calls) == want_rank
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w)

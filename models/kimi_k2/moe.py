@@ -54,6 +54,19 @@ def rank_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return ((rank[:, None, :] == r[None, :, None]) * idx).sum(-1)
 
 
+# rank_topk's [T, E, E] comparison, at most this many elements: T <= 1024 rows at E = 64, T <= 28
+# at E = 384 (a decode step or a tree verify of a few requests).
+_RANK_TOPK_MAX = 1 << 22
+
+
+def _rank_topk_fits(choice: torch.Tensor) -> bool:
+    """Route with rank_topk (a fused reduction) instead of topk (gatherTopK + a bitonic sort, ~10 us
+    a layer in the B = 16 verify step, run 27) when compiling on CUDA and the comparison is small.
+    AR and tree passes then also break exact score ties the same way (lower expert id first)."""
+    T, E = choice.shape
+    return torch.compiler.is_compiling() and gemv._on_gpu(choice) and T * E * E <= _RANK_TOPK_MAX
+
+
 class KimiK2Router(FixedDtype):
     """noaux_tc routing (kimi_k2.md): sigmoid scores in fp32; ``e_score_correction_bias`` only
     selects; optional group-limited choice (``n_group`` groups scored by their top-2, the best
@@ -88,7 +101,7 @@ class KimiK2Router(FixedDtype):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-        if use_gemv(x, self.weight):  # decode under torch.compile on CUDA: no sort kernels
+        if _rank_topk_fits(choice):  # compiled on CUDA, small T: no sort kernels
             ids = rank_topk(choice, self.top_k)
         else:
             ids = choice.topk(self.top_k, dim=-1).indices
