@@ -134,12 +134,7 @@ __device__ Digit block_digit(TopkShared& sh, const uint32_t* hist, uint32_t need
   uint32_t c = 0, incl = 0;
   if (t < kDigitBins) {  // warps 0..7, whole warps: thread t owns bin 255 - t (highest first)
     c = hist[kDigitBins - 1 - t];
-    incl = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-      if (lane >= off) incl += x;
-    }
+    incl = warp_inclusive_scan(c);
     if (lane == 31) sh.scan_tot[warp] = incl;
   }
   __syncthreads();
@@ -394,12 +389,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
       }
     }
   }
-  uint32_t incl = cnt;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-    if (lane >= off) incl += x;
-  }
+  const uint32_t incl = warp_inclusive_scan(cnt);
   uint32_t base = 0;
   if (lane == 31 && incl != 0) base = atomicAdd(&sh.ncand, incl);
   base = __shfl_sync(0xFFFFFFFFu, base, 31);
@@ -446,12 +436,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
 
   // ---- the row's log-sum-exp and the lists' offsets (warp 0, the same in every CTA) ----
   auto publish_offsets = [&](uint32_t c) {  // c: lane's CTA's list length (0 for lanes >= S)
-    uint32_t sc = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t x = __shfl_up_sync(0xFFFFFFFFu, sc, off);
-      if (lane >= off) sc += x;
-    }
+    const uint32_t sc = warp_inclusive_scan(c);
     if (lane == 0) sh.off[0] = 0;
     if (lane < S) sh.off[lane + 1] = sc;
   };

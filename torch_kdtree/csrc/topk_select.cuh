@@ -82,24 +82,26 @@ __device__ __forceinline__ int warp_claim(bool take, uint32_t* cursor) {
   return take ? int(base + __popc(ballot & ((1u << lane) - 1u))) : -1;
 }
 
-template <int THREADS>
-__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_total) {
-  constexpr int kWarps = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Inclusive prefix sum of v over the lanes of a warp.  All 32 lanes must call it.
+__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, v, off);
     if (lane >= off) v += t;
   }
+  return v;
+}
+
+template <int THREADS>
+__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_total) {
+  constexpr int kWarps = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_inclusive_scan(v);
   if (lane == 31) warp_total[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    uint32_t w = lane < kWarps ? warp_total[lane] : 0u;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, w, off);
-      if (lane >= off) w += t;
-    }
+    const uint32_t w = warp_inclusive_scan(lane < kWarps ? warp_total[lane] : 0u);
     if (lane < kWarps) warp_total[lane] = w;
   }
   __syncthreads();
