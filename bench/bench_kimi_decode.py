@@ -14,26 +14,16 @@ bandwidths are measured in this run: a device copy (read + write bytes / time) a
 reduction; the floor uses the larger, so the ratio is not flattered.
 Targets: (a) >= 15x transformers' tokens/s and >= 60 % of the floor; (b) within 1.5x of the floor.
 """
-import functools
 import time
 
 import pytest
 import torch
 
 from .bench_generate import MARKS, floor_seconds, hf_deepseek_v3, target
-from .conftest import cuda_time_us, hbm_bandwidth_gbs, record
+from .conftest import hbm_bandwidth_gbs, hbm_read_gbs, record
 
 PROMPT, NEW = 512, 256
 RATES: dict = {}
-
-
-@functools.lru_cache(maxsize=1)
-def hbm_read_gbs() -> float:
-    """Read-only bandwidth: bytes / time of a sum over 2 GiB of bf16, measured now."""
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
-    us = cuda_time_us(lambda: x.sum(dtype=torch.float32), calls_per_graph=5, replays=5)
-    del x
-    return 2 * (1 << 30) / (us * 1e-6) / 1e9
 
 
 def _prompt(vocab: int) -> torch.Tensor:
@@ -41,8 +31,9 @@ def _prompt(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab - 2, (1, PROMPT), generator=g).cuda()
 
 
-@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}, {"coordinate_descent_tuning": True}],
-                         ids=["eager_ops", "inductor", "combo", "coordinate_descent"])
+@pytest.mark.parametrize("compiled", [False, True, {"combo_kernels": True}, {"coordinate_descent_tuning": True},
+                                      {"combo_kernels": True, "coordinate_descent_tuning": True}],
+                         ids=["eager_ops", "inductor", "combo", "coordinate_descent", "tuned"])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in ("2p2b", "k2_slice")])
 def test_kimi_greedy_decode(benchmark, name, compiled):
     """generate(speculative=None): the step captured in a CUDA graph, its ops eager

@@ -50,6 +50,15 @@ def hbm_bandwidth_gbs() -> float:
 
 
 @functools.lru_cache(maxsize=1)
+def hbm_read_gbs() -> float:
+    """Read-only bandwidth: bytes / time of a sum over 2 GiB of bf16, measured now."""
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
+    us = cuda_time_us(lambda: x.sum(dtype=torch.float32), calls_per_graph=5, replays=5)
+    del x
+    return 2 * (1 << 30) / (us * 1e-6) / 1e9
+
+
+@functools.lru_cache(maxsize=1)
 def bf16_matmul_tflops() -> float:
     """bf16 GEMM rate of an 8192^3 matmul, measured now."""
     n = 8192

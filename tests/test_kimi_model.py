@@ -721,3 +721,37 @@ def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monke
     assert bool(calls) == want_rank
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w)
+
+
+@pytest.mark.parametrize("T,k,want_op", [(1, 8, True), (4, 8, True), (5, 8, False), (17, 8, False)])
+def test_bf16_decode_experts_use_moe_gemv(T, k, want_op, monkeypatch):
+    """On CUDA (forced here) bf16 experts with at most 32 token-slots go to kdtree::moe_gemv, eager
+    and compiled (fullgraph), and give the per-row expert formula; larger batches keep the other
+    paths."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    torch.manual_seed(T)
+    experts = KimiK2Experts(16, 64, 32)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    experts.to(torch.bfloat16)
+    x = torch.randn(T, 64).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(16)[:k] for _ in range(T)]).int()
+    w = torch.rand(T, k)
+    with torch.no_grad():
+        want = experts._gathered(x, ids, w)
+    calls = []
+    real = moe.moe_gemv
+    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    monkeypatch.setattr(moe, "_grouped_mm", None)  # no CUDA grouped GEMM on this CPU run
+    with torch.no_grad():
+        got = experts(x, ids, w)
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)(x, ids, w)
+        finally:
+            torch._dynamo.reset()
+    assert len(calls) == (2 if want_op else 0)
+    assert rel_err(got.float(), want.float()) <= 1e-2 and rel_err(compiled.float(), want.float()) <= 1e-2

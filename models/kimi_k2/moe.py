@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights
+from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv
 
 from .fixed_dtype import FixedDtype
 from . import gemv
@@ -25,6 +25,13 @@ _GATHER_LIMIT = 1 << 26
 # written as multiply + sum (inductor emits reduction kernels that read each touched expert's
 # weights in place); above it rows share experts and the grouped GEMM reads each expert once.
 _GEMV_ROWS = 16
+# bf16 experts on CUDA: at most this many (token, slot) rows go to ``kdtree::moe_gemv`` (a GEMV per
+# row that streams each touched expert once: decode of up to 4 requests at top-8); more rows share
+# experts and the grouped GEMM reads each one once.
+_MOE_GEMV_SLOTS = 32
+
+# Read once at import (torch_kdtree has loaded its kernels by now), a constant for torch.compile.
+_HAS_MOE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA")
 
 
 class KimiK2MLP(nn.Module):
@@ -116,8 +123,9 @@ class KimiK2Experts(FixedDtype):
 
     - dense (bf16/fp32): ``gate_proj`` [E, I, H], ``up_proj`` [E, I, H], ``down_proj`` [E, H, I]
       (transformers' fused ``gate_up_proj`` is ``cat([gate_proj, up_proj], dim=1)``); computed
-      with ``grouped_mm`` on CUDA bf16, else a per-(token, slot) weight gather (fixed shapes,
-      for small token counts and ``torch.compile``) or an eager loop over the used experts.
+      on CUDA bf16 by ``kdtree::moe_gemv`` for decode-sized batches and ``grouped_mm`` above
+      that, else a per-(token, slot) weight gather (fixed shapes, for small token counts and
+      ``torch.compile``) or an eager loop over the used experts.
     - INT4 (w4a16, compressed-tensors groups): buffers ``w13_qweight``, ``w13_scales``,
       ``w2_qweight``, ``w2_scales`` in ``kdtree::int4_moe``'s layout (:class:`Int4MoEWeights`),
       computed by :func:`torch_kdtree.ops.int4_moe`.
@@ -195,6 +203,8 @@ class KimiK2Experts(FixedDtype):
         ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``, accumulated in fp32."""
         if self.is_int4:
             return int4_moe(x, self.int4_weights(), topk_ids, topk_weights)
+        if self._use_moe_gemv(x, topk_ids):
+            return moe_gemv(x, self.gate_proj, self.up_proj, self.down_proj, topk_ids, topk_weights)
         if gemv._on_gpu(x) and topk_ids.numel() <= _GEMV_ROWS and torch.compiler.is_compiling():
             return self._row_gemv(x, topk_ids, topk_weights)
         if _grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16:
@@ -203,6 +213,13 @@ class KimiK2Experts(FixedDtype):
         if torch.compiler.is_compiling() or elements <= _GATHER_LIMIT:
             return self._gathered(x, topk_ids, topk_weights)
         return self._looped(x, topk_ids, topk_weights)
+
+    def _use_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+        """bf16 weights on CUDA, decode-sized (<= _MOE_GEMV_SLOTS token-slots), plain tensors
+        (not DTensor shards), and the kernel built: the fused GEMV op, eager or compiled."""
+        return (gemv._on_gpu(x) and x.dtype == torch.bfloat16 and self.gate_proj.dtype == torch.bfloat16
+                and topk_ids.numel() <= _MOE_GEMV_SLOTS and topk_ids.dtype == torch.int32
+                and not hasattr(self.gate_proj, "placements") and _HAS_MOE_GEMV_CUDA)
 
     def _grouped(self, x, topk_ids, topk_weights):
         """Rows sorted by expert, one ``grouped_mm`` per projection (fixed shapes, no host sync)."""

@@ -49,6 +49,12 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
         " int block_size, int k_splits) -> Tensor");
 
+  // ---- bf16 MoE for decode-sized batches (ops/moe_gemv.py, csrc/moe_gemv.cu) ----
+  // Routed experts with bf16 weights gate/up [E, I, H], down [E, H, I]: one GEMV per
+  // (token, slot), out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
+  m.def("moe_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor topk_ids,"
+        " Tensor topk_weights) -> Tensor");
+
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

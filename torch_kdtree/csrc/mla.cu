@@ -29,12 +29,12 @@
 //
 // Long contexts with few rows (flash-decoding): the grid has a static number of splits per
 // request (from static shapes: R, M, max_pages·page_size, SM count); on the device each split
-// takes chunk = roundup(max(ceil((L+N)/splits), min_chunk), BN) keys (min_chunk 64 keys up to
-// 32 rows, 128 up to 64, else 256: a split's Q load and partial O are worth that many keys),
-// splits past the end exit.
+// takes chunk = roundup(max(ceil((L+N)/splits), kMinChunk), BN) keys (kMinChunk = 64 for every
+// row count: on the H200 a 64-key floor beat 128 and 256 in every verify-shaped cell measured,
+// e.g. N 17 x H 16 over 768 keys 16.2 vs 29.1 us, run 29), splits past the end exit.
 // Partial O (normalised, fp32) and log2-LSE go to a workspace sized from static shapes; a
-// combine kernel (one block per row, 4 warps each summing every 4th split, then added in warp
-// order) merges them in a fixed order (deterministic).  One split writes the output
+// combine kernel (4 blocks per row, 128 dims each; 8 warps each summing every 8th split, then
+// added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "check.h"
 #include <ATen/ATen.h>
@@ -54,12 +54,13 @@ constexpr int kD = 576;               // key dim: 512 latent + 64 rope
 constexpr int kDV = 512;              // value dim: the latent part of the same row
 constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
 constexpr int kRowBytes = kD * 2;     // 1152
-// Fewest keys per split: a split costs its Q load and an fp32 partial O + its combine (4 KB per
-// row), so small row counts (decode) split down to 64 keys, large ones keep >= 256.
-__host__ __device__ constexpr int min_chunk_for_rows(int64_t M) { return M <= 32 ? 64 : (M <= 64 ? 128 : 256); }
+// Fewest keys per split (a split costs its Q load and an fp32 partial O + its combine); the
+// split count itself comes from choose_splits' wave model.
+constexpr int kMinChunk = 64;
 constexpr int kMaxSplits = 256;
-constexpr int kCombineWarps = 4;      // per (request, row) in the combine, each taking every 4th split
+constexpr int kCombineWarps = 8;      // per combine block, each taking every 8th split
 constexpr int kCombineUnroll = 4;     // splits in flight per combine warp
+constexpr int kCombineDims = 128;     // output dims per combine block (one float4 per lane)
 constexpr float kLn2 = 0.69314718055994531f;
 constexpr float kLog2e = 1.44269504088896341f;
 
@@ -78,7 +79,7 @@ struct Params {
   int64_t num_pages;
   int max_keys;                // max_pages * page_size
   int num_splits;
-  int min_chunk;               // min_chunk_for_rows(M)
+  int min_chunk;               // kMinChunk
   float scale_log2;            // softmax_scale * log2(e)
 };
 
@@ -447,69 +448,78 @@ mla_tree_attention_kernel(const Params p) {
 #endif
 }
 
-// One block of kCombineWarps warps per (request, row): out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m).
-// Warp w sums the splits s ≡ w (mod kCombineWarps) in increasing s, kCombineUnroll loads in
-// flight; the warps' sums are then added in warp order: a fixed order, so deterministic.
+// Grid (request·row, kDV / kCombineDims): block (rr, c) merges dims [c·128, c·128 + 128) of row rr,
+// out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m).  The split weights are computed once into shared
+// memory (no load waits on another inside the sum); warp w then sums the splits s ≡ w (mod
+// kCombineWarps) in increasing s (one float4 per lane, kCombineUnroll loads in flight), and the
+// warps' sums are added in warp order: a fixed order, so deterministic.  Few rows (decode) still
+// fill 4 blocks per row and 8 warps per block.
 __global__ void __launch_bounds__(kCombineWarps * 32)
 mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part, int R, int M, int splits,
                    __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-  __shared__ float4 part[kCombineWarps - 1][kDV / 4];
-  __shared__ float part_w[kCombineWarps];
+  extern __shared__ float combine_smem[];  // [splits] weights, then [kCombineWarps - 1][kCombineDims] partial sums
+  __shared__ float red[kCombineWarps];
+  float* wts = combine_smem;
+  float4* part = reinterpret_cast<float4*>(combine_smem + ((splits + 3) & ~3));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rr = blockIdx.x;  // (request, row)
   if (rr >= R * M) return;
   const int r = rr / M, row = rr - r * M;
   const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
+  // block max of the split LSEs
   float m = -INFINITY;
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_part[base + int64_t(s) * M]);
+  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
+    const float ls = lse_part[base + int64_t(s) * M];
+    wts[s] = ls;
+    m = fmaxf(m, ls);
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float4 acc[4];
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-  if (m != -INFINITY) {
+  for (int w = 1; w < kCombineWarps; ++w) m = fmaxf(m, red[w]);
+  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
+    const float ls = wts[s];
+    wts[s] = (ls == -INFINITY || m == -INFINITY) ? 0.f : exp2f(ls - m);  // an empty split's O was never written
+  }
+  __syncthreads();
+  const int dim4 = blockIdx.y * (kCombineDims / 4) + lane;  // this lane's float4 of the row
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll kCombineUnroll
-    for (int s = warp; s < splits; s += kCombineWarps) {
-      const float ls = lse_part[base + int64_t(s) * M];
-      const float w = ls == -INFINITY ? 0.f : exp2f(ls - m);  // an empty split's O was never written
-      if (w == 0.f) continue;
-      wsum += w;
-      const float4* src = reinterpret_cast<const float4*>(o_part + (base + int64_t(s) * M) * kDV);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 v = src[lane + 32 * i];
-        acc[i].x += w * v.x;
-        acc[i].y += w * v.y;
-        acc[i].z += w * v.z;
-        acc[i].w += w * v.w;
-      }
-    }
+  for (int s = warp; s < splits; s += kCombineWarps) {
+    const float w = wts[s];
+    if (w == 0.f) continue;  // warp-uniform
+    const float4 v = reinterpret_cast<const float4*>(o_part + (base + int64_t(s) * M) * kDV)[dim4];
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
   }
-  if (warp > 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) part[warp - 1][lane + 32 * i] = acc[i];
-  }
-  if (lane == 0) part_w[warp] = wsum;
+  if (warp > 0) part[(warp - 1) * 32 + lane] = acc;
   __syncthreads();
   if (warp != 0) return;
   for (int w = 1; w < kCombineWarps; ++w) {
-    wsum += part_w[w];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 v = part[w - 1][lane + 32 * i];
-      acc[i].x += v.x;
-      acc[i].y += v.y;
-      acc[i].z += v.z;
-      acc[i].w += v.w;
-    }
+    const float4 v = part[(w - 1) * 32 + lane];
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  uint2* dst = reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV);
+  // Σ_s w_s in a fixed order: lane sums s ≡ lane (mod 32) in increasing s, then a fixed xor tree
+  float wsum = 0.f;
+  for (int s = lane; s < splits; s += 32) wsum += wts[s];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    dst[lane + 32 * i] = make_uint2(pack_bf16x2(acc[i].x * inv, acc[i].y * inv), pack_bf16x2(acc[i].z * inv, acc[i].w * inv));
-  if (lse != nullptr && lane == 0) lse[rr] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
+  for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV)[dim4] =
+      make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
+  if (lse != nullptr && blockIdx.y == 0 && lane == 0) lse[rr] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
+}
+
+size_t combine_smem_bytes(int splits) {
+  return sizeof(float) * (size_t((splits + 3) & ~3) + size_t(kCombineWarps - 1) * kCombineDims);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -607,7 +617,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
   const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
-  const int min_chunk = min_chunk_for_rows(M);
+  const int min_chunk = kMinChunk;
   const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, min_chunk);
 
   Params p{};
@@ -641,9 +651,9 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   else
     launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
   if (splits > 1) {
-    const unsigned blocks = unsigned(R * M);  // < 2^31 (checked above): one block per (request, row)
-    mla_combine_kernel<<<blocks, kCombineWarps * 32, 0, stream>>>(p.o_part, p.lse_part, int(R), int(M), splits, p.out,
-                                                                  p.lse);
+    const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked above)
+    mla_combine_kernel<<<blocks, kCombineWarps * 32, combine_smem_bytes(splits), stream>>>(p.o_part, p.lse_part, int(R),
+                                                                                         int(M), splits, p.out, p.lse);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

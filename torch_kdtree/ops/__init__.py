@@ -14,3 +14,6 @@ from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_
 from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
                   int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
                   int4_unpack)
+
+# ---- bf16 MoE for decode-sized batches ----
+from .moe_gemv import moe_gemv, moe_gemv_reference

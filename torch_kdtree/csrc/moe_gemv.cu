@@ -1,0 +1,224 @@
+// kdtree::moe_gemv: routed experts with bf16 weights for decode-sized token counts (semantics,
+// rounding points and the reference: torch_kdtree/ops/moe_gemv.py).
+//
+// A handful of tokens touch k experts each, so the work is reading those experts' weights once:
+// a GEMV per (token, slot), bound by HBM.  Two launches, both with shapes from static sizes only
+// (CUDA-graph safe), no atomics, fixed summation orders (deterministic):
+//   1. gate/up: grid (ceil(I / 8), T·k); warp = one channel i of one slot: the dot products of
+//      gate row i and up row i of expert ids[slot] with x[token] (16-byte streaming loads along
+//      H, four in flight per row per lane), a xor-shuffle sum, then act[slot, i] =
+//      bf16(silu(bf16(g)) · bf16(u)).
+//   2. down: grid (ceil(H / 4), T); CTA = 4 output rows of one token; warp w takes the (row,
+//      slot) dot products w, w + 8, ... of down rows against act (length I), four per pass so
+//      that short rows still keep loads in flight; partials go to shared memory and thread r sums row r's slots in order j = 0..k-1:
+//      out = bf16(Σ_j w_j · bf16(y_j)).
+// Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
+// bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
+// reuse), so the same code runs on sm_90 and sm_120.
+#include "check.h"
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace kdtree {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kDownRows = 4;  // output rows per down CTA (kDownRows * k tasks over 8 warps)
+constexpr int kMaxTopk = 16;
+constexpr int kTaskBatch = 4;  // down: (row, slot) dot products per warp pass
+
+// 16 bytes of a weight row: read once, so no L1 allocation.  Not volatile: the compiler may
+// batch these loads ahead of the arithmetic.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Σ of the 8 bf16 products of a and b, in fp32.
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+  acc = fmaf(bf16_lo(a.x), bf16_lo(b.x), acc);
+  acc = fmaf(bf16_hi(a.x), bf16_hi(b.x), acc);
+  acc = fmaf(bf16_lo(a.y), bf16_lo(b.y), acc);
+  acc = fmaf(bf16_hi(a.y), bf16_hi(b.y), acc);
+  acc = fmaf(bf16_lo(a.z), bf16_lo(b.z), acc);
+  acc = fmaf(bf16_hi(a.z), bf16_hi(b.z), acc);
+  acc = fmaf(bf16_lo(a.w), bf16_lo(b.w), acc);
+  acc = fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
+  return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__global__ void __launch_bounds__(kThreads)
+moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
+                   const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
+                   int I, __nv_bfloat16* __restrict__ act) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = blockIdx.y, t = slot / k;
+  const int i = blockIdx.x * kWarps + warp;
+  if (i >= I) return;
+  const int e = ids[slot];
+  float g = 0.f, u = 0.f;
+  if (e >= 0 && e < E) {
+    const int chunks = H / 8;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + int64_t(t) * H);
+    const uint4* gr = reinterpret_cast<const uint4*>(gate + (int64_t(e) * I + i) * H);
+    const uint4* ur = reinterpret_cast<const uint4*>(up + (int64_t(e) * I + i) * H);
+    int c = lane;
+    for (; c + 96 < chunks; c += 128) {  // four chunks of each row in flight
+      uint4 gv[4], uv[4], xv[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        gv[s] = ld_stream(gr + c + 32 * s);
+        uv[s] = ld_stream(ur + c + 32 * s);
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) xv[s] = __ldg(xr + c + 32 * s);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        g = dot8(gv[s], xv[s], g);
+        u = dot8(uv[s], xv[s], u);
+      }
+    }
+    for (; c < chunks; c += 32) {
+      const uint4 xv = __ldg(xr + c);
+      g = dot8(ld_stream(gr + c), xv, g);
+      u = dot8(ld_stream(ur + c), xv, u);
+    }
+  }
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (lane == 0) {
+    const float gb = round_bf16(g), ub = round_bf16(u);
+    act[int64_t(slot) * I + i] = __float2bfloat16(gb / (1.f + __expf(-gb)) * ub);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
+                const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
+                __nv_bfloat16* __restrict__ out) {
+  __shared__ float part[kDownRows][kMaxTopk];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.y, h0 = blockIdx.x * kDownRows;
+  const int chunks = I / 8;
+  const int tasks = kDownRows * k;
+  // kTaskBatch tasks per pass, so that a short row (I = 512: two chunks per lane) still has
+  // several loads in flight.
+  for (int task0 = warp; task0 < tasks; task0 += kTaskBatch * kWarps) {
+    const uint4* wr[kTaskBatch];
+    const uint4* ar[kTaskBatch];
+    bool ok[kTaskBatch];
+    float d[kTaskBatch];
+#pragma unroll
+    for (int q = 0; q < kTaskBatch; ++q) {
+      const int task = task0 + q * kWarps;
+      const int r = task / k, j = task - r * k;
+      const int h = h0 + r, slot = t * k + j;
+      const int e = task < tasks ? ids[slot] : -1;
+      ok[q] = task < tasks && h < H && e >= 0 && e < E;
+      wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + (ok[q] ? h : 0)) * I);
+      ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
+      d[q] = 0.f;
+    }
+#pragma unroll 2
+    for (int c = lane; c < chunks; c += 32) {
+      uint4 wv[kTaskBatch], av[kTaskBatch];
+#pragma unroll
+      for (int q = 0; q < kTaskBatch; ++q)
+        if (ok[q]) wv[q] = ld_stream(wr[q] + c);
+#pragma unroll
+      for (int q = 0; q < kTaskBatch; ++q)
+        if (ok[q]) av[q] = __ldg(ar[q] + c);
+#pragma unroll
+      for (int q = 0; q < kTaskBatch; ++q)
+        if (ok[q]) d[q] = dot8(wv[q], av[q], d[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < kTaskBatch; ++q) {
+      const int task = task0 + q * kWarps;
+      const float v = warp_sum(d[q]);
+      if (lane == 0 && task < tasks) part[task / k][task % k] = v;
+    }
+  }
+  __syncthreads();
+  const int r = threadIdx.x, h = h0 + r;
+  if (r < kDownRows && h < H) {
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const int e = ids[t * k + j];
+      if (e >= 0 && e < E) acc += weights[t * k + j] * round_bf16(part[r][j]);
+    }
+    out[int64_t(t) * H + h] = __float2bfloat16(acc);
+  }
+}
+
+at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights) {
+  constexpr const char* op = "kdtree::moe_gemv";
+  check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
+  check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
+  check_cuda_tensor(up, op, "up_proj", at::kBFloat16, 3);
+  check_cuda_tensor(down, op, "down_proj", at::kBFloat16, 3);
+  check_cuda_tensor(topk_ids, op, "topk_ids", at::kInt, 2);
+  check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
+  for (const at::Tensor* t : {&gate, &up, &down, &topk_ids, &topk_weights})
+    KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
+  const int64_t T = x.size(0), H = x.size(1), E = gate.size(0), I = gate.size(1);
+  KD_CHECK(gate.size(2) == H && up.sizes() == gate.sizes(), op, ": gate_proj and up_proj must be [E, I, H = ", H,
+           "], got ", gate.sizes(), " and ", up.sizes());
+  KD_CHECK(down.size(0) == E && down.size(1) == H && down.size(2) == I, op, ": down_proj must be [E, H, I] = [", E,
+           ", ", H, ", ", I, "], got ", down.sizes());
+  KD_CHECK(H % 8 == 0 && I % 8 == 0 && H > 0 && I > 0 && E > 0, op,
+           ": H and I must be positive multiples of 8 and E >= 1, got H = ", H, ", I = ", I, ", E = ", E);
+  KD_CHECK(topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(), op, ": topk_ids ", topk_ids.sizes(),
+           " and topk_weights ", topk_weights.sizes(), " must both be [T = ", T, ", k]");
+  const int64_t k = topk_ids.size(1);
+  KD_CHECK(k >= 1 && k <= kMaxTopk, op, ": top-k must be in [1, ", kMaxTopk, "], got ", k);
+  KD_CHECK(T <= 65535 && T * k <= 65535 && E * I * H < (int64_t(1) << 40), op,
+           ": at most 65535 tokens and token-slots, got T = ", T, ", k = ", k);
+  for (const at::Tensor* t : {&x, &gate, &up, &down})
+    KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op,
+             ": x, gate_proj, up_proj and down_proj must be 16-byte aligned");
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor act = at::empty({T * k, I}, x.options());
+  const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
+  const int32_t* idp = topk_ids.data_ptr<int32_t>();
+  moe_gate_up_kernel<<<dim3(unsigned((I + kWarps - 1) / kWarps), unsigned(T * k)), kThreads, 0, stream>>>(
+      xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()),
+      idp, int(k), int(E), int(H), int(I), actp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  moe_down_kernel<<<dim3(unsigned((H + kDownRows - 1) / kDownRows), unsigned(T)), kThreads, 0, stream>>>(
+      actp, reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp, topk_weights.data_ptr<float>(), int(k),
+      int(E), int(H), int(I), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) { m.impl("moe_gemv", &moe_gemv_cuda); }
+
+}  // namespace kdtree

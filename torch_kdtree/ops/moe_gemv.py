@@ -1,0 +1,109 @@
+"""bf16 routed experts for decode-sized batches: ``kdtree::moe_gemv``.
+
+``out[t] = Σ_j topk_weights[t, j] · down_e(silu(gate_e(x[t])) · up_e(x[t]))`` with
+``e = topk_ids[t, j]``, for experts stacked as ``gate_proj`` / ``up_proj`` [E, I, H] and
+``down_proj`` [E, H, I] (the model's dense expert storage; transformers' fused ``gate_up_proj``
+is their concatenation along dim 1).
+
+Rounding points (the CUDA kernel and this reference agree on them; sums are fp32):
+``g = bf16(x·gate_e)``, ``u = bf16(x·up_e)``, ``a = bf16(silu(g)·u)``, ``y_j = bf16(a·down_e)``,
+``out = bf16(Σ_j w_j · y_j)`` summed in order j = 0..k-1 (deterministic).  Ids outside
+[0, E) contribute nothing (eager calls reject them first).
+
+The CUDA kernel (csrc/moe_gemv.cu) is a GEMV per (token, slot) that streams each touched
+expert's rows once: made for a few tokens (decode, T·k up to a few dozen); larger batches share
+experts and belong to a grouped GEMM.  The CPU kernel is :func:`moe_gemv_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_same_device, check_tensor, value_checks_active
+
+MAX_TOPK = 16
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, op="moe_gemv") -> None:
+    check_tensor(op, "x", x, _DTYPES, 2)
+    for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        check_tensor(op, name, t, x.dtype, 3)
+    if x.device.type != "cpu" and x.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: x and the expert weights must be torch.bfloat16 on {x.device.type} "
+                        f"(other float dtypes are CPU-only), got {x.dtype}")
+    check_tensor(op, "topk_ids", topk_ids, torch.int32, 2)
+    check_tensor(op, "topk_weights", topk_weights, torch.float32, 2)
+    check_same_device(op, x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj, topk_ids=topk_ids,
+                      topk_weights=topk_weights)
+    T, H = x.shape
+    E, I = gate_proj.shape[:2]
+    if tuple(gate_proj.shape) != (E, I, H) or tuple(up_proj.shape) != (E, I, H):
+        raise ValueError(f"{op}: gate_proj and up_proj must be [E, I, H = {H}], got {tuple(gate_proj.shape)} and "
+                         f"{tuple(up_proj.shape)}")
+    if tuple(down_proj.shape) != (E, H, I):
+        raise ValueError(f"{op}: down_proj must be [E, H, I] = {(E, H, I)}, got {tuple(down_proj.shape)}")
+    if E == 0 or I == 0 or H == 0 or H % 8 or I % 8:
+        raise ValueError(f"{op}: needs E >= 1 experts and H, I positive multiples of 8, got E = {E}, H = {H}, I = {I}")
+    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{op}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T = {T}, k]")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"{op}: top-k must be in [1, {MAX_TOPK}], got {k}")
+    if T > 65535 or T * k > 65535:
+        raise ValueError(f"{op}: at most 65535 tokens and token-slots, got T = {T}, k = {k}")
+    if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
+        raise ValueError(f"{op}: topk_ids must be expert ids in [0, {E})")
+
+
+def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::moe_gemv``: per used expert, fp32
+    matmuls with the rounding points of the module docstring; the top-k terms summed in order."""
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
+    T, H = x.shape
+    E, k = gate_proj.shape[0], topk_ids.shape[1]
+    dt = x.dtype
+    ids = topk_ids.long()
+    ys = torch.zeros((T, k, H), dtype=torch.float32, device=x.device)
+    valid = (ids >= 0) & (ids < E)
+    xf = x.float()
+    for e in torch.unique(ids[valid]).tolist():
+        rows, js = torch.nonzero(ids == e, as_tuple=True)
+        xe = xf[rows]
+        g = (xe @ gate_proj[e].float().T).to(dt).float()
+        u = (xe @ up_proj[e].float().T).to(dt).float()
+        a = (F.silu(g) * u).to(dt).float()
+        ys[rows, js] = (a @ down_proj[e].float().T).to(dt).float()
+    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    for j in range(k):
+        out += w[:, j, None] * ys[:, j]
+    return out.to(dt)
+
+
+def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+             topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed-expert MLP with dense (bf16 on CUDA) weights, one GEMV per (token, slot).
+
+    Args:
+        x: [T, H]; bf16 on CUDA (bf16 / fp16 / fp32 on CPU). out has x's dtype.
+        gate_proj, up_proj: [E, I, H] in x's dtype; down_proj: [E, H, I]. H and I multiples of 8.
+        topk_ids: int32 [T, k], 1 <= k <= 16, expert ids in [0, E).
+        topk_weights: float32 [T, k] router weights (already normalised and scaled).
+    No host synchronisation on CUDA (CUDA-graph safe); deterministic.
+    """
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
+    return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
+
+
+torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
+
+
+@torch.library.register_fake("kdtree::moe_gemv")
+def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights):
+    return x.new_empty(x.shape)
+
+
+__all__ = ["moe_gemv", "moe_gemv_reference", "MAX_TOPK"]
