@@ -179,7 +179,8 @@ def test_step_compiles_as_one_graph_and_equals_eager():
 
 def test_compile_step_forms_reach_torch_compile(monkeypatch):
     """compile_step: True -> inductor, a name -> that backend, a dict -> inductor with those
-    options; generate's default "auto" compiles only CUDA graphs on CUDA (eager here)."""
+    options ("combo" / "tuned" name option sets); generate's default "auto" compiles only CUDA
+    graphs on CUDA (eager here)."""
     seen = []
 
     def fake_compile(fn, **kwargs):
@@ -190,7 +191,10 @@ def test_compile_step_forms_reach_torch_compile(monkeypatch):
     ids, mask = prompts(1, 32, left=False)
     monkeypatch.setattr(torch, "compile", fake_compile)
     for form, want in ((True, {"backend": "inductor"}), ("aot_eager", {"backend": "aot_eager"}),
-                       ({"combo_kernels": True}, {"backend": "inductor", "options": {"combo_kernels": True}})):
+                       ({"combo_kernels": True}, {"backend": "inductor", "options": {"combo_kernels": True}}),
+                       ("combo", {"backend": "inductor", "options": {"combo_kernels": True}}),
+                       ("tuned", {"backend": "inductor",
+                                  "options": {"combo_kernels": True, "coordinate_descent_tuning": True}})):
         seen.clear()
         model.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None, compile_step=form)
         assert seen and all({k: v for k, v in kw.items() if k in ("backend", "options")} == want for kw in seen)

@@ -41,7 +41,7 @@ def oracle(x, gate, up, down, ids, w):
             g = rnd((gate[e].double().cpu() * xt).sum(-1))
             u = rnd((up[e].double().cpu() * xt).sum(-1))
             a = rnd(g / (1 + torch.exp(-g)) * u)
-            y = rnd((down[e].double().cpu() * a).sum(-1))
+            y = (down[e].double().cpu() * a).sum(-1)
             out[t] += float(w[t, j]) * y
     return out
 

@@ -27,6 +27,12 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() <= GEMV_MAX_WEIGHT and not hasattr(weight, "placements"))
 
 
+def use_gemv_rows(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """:func:`use_gemv` for a per-head (batched) product of ``rows`` tokens."""
+    return (torch.compiler.is_compiling() and _on_gpu(x) and rows <= GEMV_ROWS
+            and weight.numel() <= GEMV_MAX_WEIGHT and not hasattr(weight, "placements"))
+
+
 def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` in fp32 as a broadcast product and a sum over the input dimension."""
     return (x.float()[..., None, :] * weight.float()).sum(-1)
@@ -44,4 +50,4 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-__all__ = ["linear", "matvec", "use_gemv", "GEMV_ROWS", "GEMV_MAX_WEIGHT"]
+__all__ = ["linear", "matvec", "use_gemv", "use_gemv_rows", "GEMV_ROWS", "GEMV_MAX_WEIGHT"]

@@ -36,7 +36,7 @@ from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
-from .gemv import linear
+from .gemv import linear, use_gemv_rows
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
@@ -216,11 +216,20 @@ class KimiK2Attention(nn.Module):
         cache = batch.cache
         cache.write(layer_idx, batch.slots, latent)
         w_uk, w_uv = self._kv_b()
-        q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
+        # Decode-sized and compiled on CUDA: the per-head products as multiply + sum, which inductor
+        # emits as reduction kernels fused with their neighbours (no copy of q_nope, no batched GEMM).
+        gemv_form = use_gemv_rows(R * N, x, w_uk)
+        if gemv_form:
+            q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
+        else:
+            q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
         q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale)
-        out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
+        if gemv_form:
+            out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
+        else:
+            out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
         return linear(self.o_proj, out.reshape(R, N, -1))
 
 

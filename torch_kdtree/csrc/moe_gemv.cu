@@ -6,12 +6,11 @@
 // (CUDA-graph safe), no atomics, fixed summation orders (deterministic):
 //   1. gate/up: grid (ceil(I / 8), T·k); warp = one channel i of one slot: the dot products of
 //      gate row i and up row i of expert ids[slot] with x[token] (16-byte streaming loads along
-//      H, four in flight per row per lane), a xor-shuffle sum, then act[slot, i] =
+//      H, eight chunks of each row in flight per lane), a xor-shuffle sum, then act[slot, i] =
 //      bf16(silu(bf16(g)) · bf16(u)).
-//   2. down: grid (ceil(H / 4), T); CTA = 4 output rows of one token; warp w takes the (row,
-//      slot) dot products w, w + 8, ... of down rows against act (length I), four per pass so
-//      that short rows still keep loads in flight; partials go to shared memory and thread r sums row r's slots in order j = 0..k-1:
-//      out = bf16(Σ_j w_j · bf16(y_j)).
+//   2. down: grid (ceil(H / 8), T); warp = one output row h of one token: each lane sums
+//      w_j · (its chunks of down row h of expert e_j · act[slot j]) over the slots, four slots'
+//      rows in flight at a time, then one xor-shuffle sum: out = bf16(Σ_j w_j · y_j) in fp32.
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
@@ -29,9 +28,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kDownRows = 4;  // output rows per down CTA (kDownRows * k tasks over 8 warps)
 constexpr int kMaxTopk = 16;
-constexpr int kTaskBatch = 4;  // down: (row, slot) dot products per warp pass
+constexpr int kSlotBatch = 4;  // down: slots whose rows a warp streams together
 
 // 16 bytes of a weight row: read once, so no L1 allocation.  Not volatile: the compiler may
 // batch these loads ahead of the arithmetic.
@@ -67,6 +65,25 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
+template <int NB>
+__device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur, const uint4* xr, int c, float& g,
+                                               float& u) {
+  uint4 gv[NB], uv[NB], xv[NB];
+#pragma unroll
+  for (int s = 0; s < NB; ++s) {
+    gv[s] = ld_stream(gr + c + 32 * s);
+    uv[s] = ld_stream(ur + c + 32 * s);
+  }
+#pragma unroll
+  for (int s = 0; s < NB; ++s) xv[s] = __ldg(xr + c + 32 * s);
+#pragma unroll
+  for (int s = 0; s < NB; ++s) {
+    g = dot8(gv[s], xv[s], g);
+    u = dot8(uv[s], xv[s], u);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
@@ -83,26 +100,9 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     const uint4* gr = reinterpret_cast<const uint4*>(gate + (int64_t(e) * I + i) * H);
     const uint4* ur = reinterpret_cast<const uint4*>(up + (int64_t(e) * I + i) * H);
     int c = lane;
-    for (; c + 96 < chunks; c += 128) {  // four chunks of each row in flight
-      uint4 gv[4], uv[4], xv[4];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        gv[s] = ld_stream(gr + c + 32 * s);
-        uv[s] = ld_stream(ur + c + 32 * s);
-      }
-#pragma unroll
-      for (int s = 0; s < 4; ++s) xv[s] = __ldg(xr + c + 32 * s);
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        g = dot8(gv[s], xv[s], g);
-        u = dot8(uv[s], xv[s], u);
-      }
-    }
-    for (; c < chunks; c += 32) {
-      const uint4 xv = __ldg(xr + c);
-      g = dot8(ld_stream(gr + c), xv, g);
-      u = dot8(ld_stream(ur + c), xv, u);
-    }
+    for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8>(gr, ur, xr, c, g, u);
+    for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4>(gr, ur, xr, c, g, u);
+    for (; c < chunks; c += 32) gate_up_chunks<1>(gr, ur, xr, c, g, u);
   }
   g = warp_sum(g);
   u = warp_sum(u);
@@ -116,59 +116,44 @@ __global__ void __launch_bounds__(kThreads)
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
                 __nv_bfloat16* __restrict__ out) {
-  __shared__ float part[kDownRows][kMaxTopk];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int t = blockIdx.y, h0 = blockIdx.x * kDownRows;
+  const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
+  if (h >= H) return;
   const int chunks = I / 8;
-  const int tasks = kDownRows * k;
-  // kTaskBatch tasks per pass, so that a short row (I = 512: two chunks per lane) still has
-  // several loads in flight.
-  for (int task0 = warp; task0 < tasks; task0 += kTaskBatch * kWarps) {
-    const uint4* wr[kTaskBatch];
-    const uint4* ar[kTaskBatch];
-    bool ok[kTaskBatch];
-    float d[kTaskBatch];
+  float acc = 0.f;
+  for (int j0 = 0; j0 < k; j0 += kSlotBatch) {  // kSlotBatch slots' rows in flight together
+    const uint4* wr[kSlotBatch];
+    const uint4* ar[kSlotBatch];
+    float wj[kSlotBatch], d[kSlotBatch];
+    bool ok[kSlotBatch];
 #pragma unroll
-    for (int q = 0; q < kTaskBatch; ++q) {
-      const int task = task0 + q * kWarps;
-      const int r = task / k, j = task - r * k;
-      const int h = h0 + r, slot = t * k + j;
-      const int e = task < tasks ? ids[slot] : -1;
-      ok[q] = task < tasks && h < H && e >= 0 && e < E;
-      wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + (ok[q] ? h : 0)) * I);
+    for (int q = 0; q < kSlotBatch; ++q) {
+      const int j = j0 + q, slot = t * k + j;
+      const int e = j < k ? ids[slot] : -1;
+      ok[q] = e >= 0 && e < E;
+      wj[q] = ok[q] ? weights[slot] : 0.f;
+      wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + h) * I);
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
     }
 #pragma unroll 2
     for (int c = lane; c < chunks; c += 32) {
-      uint4 wv[kTaskBatch], av[kTaskBatch];
+      uint4 wv[kSlotBatch], av[kSlotBatch];
 #pragma unroll
-      for (int q = 0; q < kTaskBatch; ++q)
+      for (int q = 0; q < kSlotBatch; ++q)
         if (ok[q]) wv[q] = ld_stream(wr[q] + c);
 #pragma unroll
-      for (int q = 0; q < kTaskBatch; ++q)
+      for (int q = 0; q < kSlotBatch; ++q)
         if (ok[q]) av[q] = __ldg(ar[q] + c);
 #pragma unroll
-      for (int q = 0; q < kTaskBatch; ++q)
+      for (int q = 0; q < kSlotBatch; ++q)
         if (ok[q]) d[q] = dot8(wv[q], av[q], d[q]);
     }
 #pragma unroll
-    for (int q = 0; q < kTaskBatch; ++q) {
-      const int task = task0 + q * kWarps;
-      const float v = warp_sum(d[q]);
-      if (lane == 0 && task < tasks) part[task / k][task % k] = v;
-    }
+    for (int q = 0; q < kSlotBatch; ++q) acc = fmaf(wj[q], d[q], acc);
   }
-  __syncthreads();
-  const int r = threadIdx.x, h = h0 + r;
-  if (r < kDownRows && h < H) {
-    float acc = 0.f;
-    for (int j = 0; j < k; ++j) {
-      const int e = ids[t * k + j];
-      if (e >= 0 && e < E) acc += weights[t * k + j] * round_bf16(part[r][j]);
-    }
-    out[int64_t(t) * H + h] = __float2bfloat16(acc);
-  }
+  acc = warp_sum(acc);
+  if (lane == 0) out[int64_t(t) * H + h] = __float2bfloat16(acc);
 }
 
 at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
@@ -210,7 +195,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
       xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()),
       idp, int(k), int(E), int(H), int(I), actp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  moe_down_kernel<<<dim3(unsigned((H + kDownRows - 1) / kDownRows), unsigned(T)), kThreads, 0, stream>>>(
+  moe_down_kernel<<<dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), kThreads, 0, stream>>>(
       actp, reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp, topk_weights.data_ptr<float>(), int(k),
       int(E), int(H), int(I), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

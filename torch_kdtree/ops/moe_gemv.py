@@ -6,9 +6,10 @@
 is their concatenation along dim 1).
 
 Rounding points (the CUDA kernel and this reference agree on them; sums are fp32):
-``g = bf16(x·gate_e)``, ``u = bf16(x·up_e)``, ``a = bf16(silu(g)·u)``, ``y_j = bf16(a·down_e)``,
-``out = bf16(Σ_j w_j · y_j)`` summed in order j = 0..k-1 (deterministic).  Ids outside
-[0, E) contribute nothing (eager calls reject them first).
+``g = bf16(x·gate_e)``, ``u = bf16(x·up_e)``, ``a = bf16(silu(g)·u)`` (the activations a bf16
+GEMM path would store), then ``out = bf16(Σ_j w_j · (a_j·down_e_j))`` with the down products and
+their weighted sum in fp32 (as ``kdtree::int4_moe``).  Deterministic: a fixed summation order.
+Ids outside [0, E) contribute nothing (eager calls reject them first).
 
 The CUDA kernel (csrc/moe_gemv.cu) is a GEMV per (token, slot) that streams each touched
 expert's rows once: made for a few tokens (decode, T·k up to a few dozen); larger batches share
@@ -75,7 +76,7 @@ def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.
         g = (xe @ gate_proj[e].float().T).to(dt).float()
         u = (xe @ up_proj[e].float().T).to(dt).float()
         a = (F.silu(g) * u).to(dt).float()
-        ys[rows, js] = (a @ down_proj[e].float().T).to(dt).float()
+        ys[rows, js] = a @ down_proj[e].float().T
     w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     for j in range(k):
