@@ -149,9 +149,9 @@ class DDTreeGenerationMixin(GenerationMixin):
                 (True: inductor; ``"combo"`` / ``"tuned"``: inductor with session.INDUCTOR_OPTIONS;
                 a backend name; or a dict of inductor options).  ``"auto"`` (default): ``"combo"``
                 when the steps are CUDA graphs on a CUDA device (each budget's step compiles once
-                per session, ~15 s), else eager.  ``"tuned"`` adds coordinate-descent tuning:
-                ~13 % faster 2p2b decode steps on the H200 for ~85 s of compile per budget the
-                first time (inductor caches it on disk).
+                per session, ~15 s), else eager.  ``"tuned"`` adds coordinate-descent tuning
+                (~65-85 s of compile per budget the first time, cached on disk by inductor; on
+                the 2p2b decode step it measured no faster than ``"combo"`` in run 31).
             page_size: tokens per page of the paged latent cache.
 
         Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
@@ -198,7 +198,7 @@ class DDTreeGenerationMixin(GenerationMixin):
         else:
             raise ValueError(f"generate: tree_budget must be an int in [1, 1024] or 'auto', got {tree_budget!r}")
 
-        if compile_step == "auto":  # inductor with combo kernels on CUDA graphs ("tuned": slower compile, faster steps)
+        if compile_step == "auto":  # inductor with combo kernels on CUDA graphs
             compile_step = "combo" if self.device.type == "cuda" and cuda_graphs and not profile else False
         session = _session(self, drafter if speculative else None, R=R, max_prompt=_bucket(T),
                            max_new=_bucket(max_new), budgets=budgets, mode=mode, page_size=page_size,

@@ -42,8 +42,10 @@ from .sampling import SamplingMode, SamplingParams, select_tokens
 MAX_EOS = 8
 # Inductor options by name (compile_step="combo" / "tuned").  combo: independent kernels launched
 # together (2p2b AR step 0.911 -> 0.833 ms on the H200, ~15 s compile); tuned: + coordinate-descent
-# tuning of every kernel's launch config (0.849 -> 0.737 ms with moe_gemv, ~85 s compile per step
-# the first time, then inductor's on-disk cache).  RESULTS.md runs 28 and 30.
+# tuning of every kernel's launch config (~65-85 s compile per step the first time, then inductor's
+# on-disk cache).  Tuning helped the inductor-reduction experts (run 30: 0.849 -> 0.737 ms) but
+# adds nothing since kdtree::moe_gemv and the decode GEMV forms (run 31: 0.7299 ms combo, 0.7302
+# tuned).  RESULTS.md runs 28-31.
 INDUCTOR_OPTIONS = {"combo": {"combo_kernels": True},
                     "tuned": {"combo_kernels": True, "coordinate_descent_tuning": True}}
 PHASES = ("draft", "topk", "build", "verify", "accept", "commit")

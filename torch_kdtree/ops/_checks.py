@@ -62,3 +62,14 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"{op}: all inputs must be on one device, got {listing}")
+
+
+def check_routing(op: str, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int, max_topk: int) -> int:
+    """Shapes of a MoE routing: ids and weights both [T, k] with 1 <= k <= max_topk; returns k."""
+    if topk_ids.shape[0] != num_tokens or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{op}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T = {num_tokens}, k]")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= max_topk:
+        raise ValueError(f"{op}: top-k must be in [1, {max_topk}], got {k}")
+    return k

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import check_same_device, check_tensor, value_checks_active
+from ._checks import check_routing, check_same_device, check_tensor, value_checks_active
 
 GROUP_SIZES = (32, 64, 128)
 BLOCK_SIZES = (8, 16, 32, 64)  # token rows per expert block (the n side of the swapped GEMM)
@@ -347,12 +347,7 @@ def _check_moe(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, 
         if tuple(t.shape) != want[name]:
             raise ValueError(f"{op}: {name} must be {want[name]} for x [T, H = {H}], E = {E}, I = {I}, "
                              f"group_size {group_size}; got {tuple(t.shape)}")
-    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"{op}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [T = {T}, k]")
-    k = topk_ids.shape[1]
-    if not 1 <= k <= MAX_TOPK:
-        raise ValueError(f"{op}: top-k must be in [1, {MAX_TOPK}], got {k}")
+    k = check_routing(op, topk_ids, topk_weights, T, MAX_TOPK)
     if isinstance(k_splits, bool) or not isinstance(k_splits, int) or not 1 <= k_splits <= min(MAX_K_SPLITS, H // 64):
         raise ValueError(f"{op}: k_splits must be in [1, {min(MAX_K_SPLITS, H // 64)}], got {k_splits!r}")
     if E == 0:

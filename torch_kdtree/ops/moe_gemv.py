@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_same_device, check_tensor, value_checks_active
+from ._checks import check_routing, check_same_device, check_tensor, value_checks_active
 
 MAX_TOPK = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,12 +46,7 @@ def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, op="moe_gem
         raise ValueError(f"{op}: down_proj must be [E, H, I] = {(E, H, I)}, got {tuple(down_proj.shape)}")
     if E == 0 or I == 0 or H == 0 or H % 8 or I % 8:
         raise ValueError(f"{op}: needs E >= 1 experts and H, I positive multiples of 8, got E = {E}, H = {H}, I = {I}")
-    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"{op}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [T = {T}, k]")
-    k = topk_ids.shape[1]
-    if not 1 <= k <= MAX_TOPK:
-        raise ValueError(f"{op}: top-k must be in [1, {MAX_TOPK}], got {k}")
+    k = check_routing(op, topk_ids, topk_weights, T, MAX_TOPK)
     if T > 65535 or T * k > 65535:
         raise ValueError(f"{op}: at most 65535 tokens and token-slots, got T = {T}, k = {k}")
     if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
