@@ -37,6 +37,7 @@
 // added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "check.h"
+#include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -473,8 +474,7 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
     wts[s] = ls;
     m = fmaxf(m, ls);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  m = warp_max(m);
   if (lane == 0) red[warp] = m;
   __syncthreads();
   m = red[0];
@@ -510,8 +510,7 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
   // Σ_s w_s in a fixed order: lane sums s ≡ lane (mod 32) in increasing s, then a fixed xor tree
   float wsum = 0.f;
   for (int s = lane; s < splits; s += 32) wsum += wts[s];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  wsum = warp_sum(wsum);
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV)[dim4] =
       make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));

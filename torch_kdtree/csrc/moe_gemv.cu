@@ -15,6 +15,7 @@
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
 #include "check.h"
+#include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -55,12 +56,6 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
   acc = fmaf(bf16_lo(a.w), bf16_lo(b.w), acc);
   acc = fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
   return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }

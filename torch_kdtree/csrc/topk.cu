@@ -393,9 +393,7 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
   uint32_t base = 0;
   if (lane == 31 && incl != 0) base = atomicAdd(&sh.ncand, incl);
   base = __shfl_sync(0xFFFFFFFFu, base, 31);
-  float ws = tsum;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ws += __shfl_xor_sync(0xFFFFFFFFu, ws, off);
+  const float ws = warp_sum(tsum);
   if (lane == 0) sh.warp_f[warp] = ws;
   if (cnt != 0) {
     launder<kSmem>(s);
@@ -446,13 +444,9 @@ topk_cluster_kernel(const typename Tr::Raw* __restrict__ logits, int V, int C, i
     const float sm = lane < S ? rs->cta_sum : 0.0f;
     const uint32_t nc = lane < S ? rs->ncand : 0u;  // issued with the two above: one round trip
     const uint32_t tmin = __reduce_min_sync(0xFFFFFFFFu, lane < S ? rs->tau_c : 0xFFFFFFFFu);
-    float rm = m;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) rm = fmaxf(rm, __shfl_xor_sync(0xFFFFFFFFu, rm, off));
+    const float rm = warp_max(m);
     // the CTA holding the row max contributes its exp(x - max) terms unscaled
-    float part = m == -INFINITY ? 0.0f : (m == rm ? sm : sm * expf(m - rm));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, off);
+    const float part = warp_sum(m == -INFINITY ? 0.0f : (m == rm ? sm : sm * expf(m - rm)));
     if (lane == 0) {
       sh.row_max = rm;
       sh.row_logsum = logf(part);

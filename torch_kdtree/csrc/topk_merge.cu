@@ -32,13 +32,11 @@ topk_merge_kernel(const float* __restrict__ values, const int64_t* __restrict__ 
     const int lane = threadIdx.x;
     float m = -INFINITY;
     for (int p = lane; p < P; p += 32) m = fmaxf(m, lse[p * rows + row]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    m = warp_max(m);
     const float mu = isinf(m) ? 0.0f : m;
     float s = 0.0f;
     for (int p = lane; p < P; p += 32) s += expf(lse[p * rows + row] - mu);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, off);
+    s = warp_sum(s);
     if (lane == 0) row_lse = logf(s) + mu;
   }
   auto key_at = [&](int j, uint64_t& key) -> bool {

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "warp_reduce.cuh"
+
 namespace kdtree {
 namespace {
 
