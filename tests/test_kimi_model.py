@@ -723,6 +723,135 @@ def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monke
     torch.testing.assert_close(w, want_w)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
+    """On CUDA (forced here; the op's CPU kernel runs) a bf16 decode pass of <= 4 rows computes each
+    layer's projections with kdtree::gemv: q_a + kv_a (input norm inside), q_b (q_a_layernorm
+    inside), o_proj (+ residual) and the dense layer's gate + up (post-attention norm inside) and
+    down (SwiGLU + residual): the same logits as the module calls, eager and compiled (fullgraph),
+    and five rows (past FUSED_ROWS) keep the module calls."""
+    from torch_kdtree.models.kimi_k2 import gemv
+
+    model = make_model(23, first_k_dense_replace=1, num_hidden_layers=2).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 9)]
+
+    def bf16_cache():
+        cache = KimiK2Cache.for_model(model, 2, 64, page_size=4, dtype=torch.bfloat16)
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(2, int(lengths.max()), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = p
+        model(ids, cache=cache, input_lengths=lengths, return_logits=False)
+        cache.advance(lengths)
+        return cache
+
+    tokens = torch.randint(0, VOCAB, (2, 3), generator=g)
+    visible = torch.ones(2, 1, 1, dtype=torch.bool)
+    plain_cache, fused_cache = bf16_cache(), bf16_cache()
+    want = decode_one_by_one(model, plain_cache, tokens)
+    calls = []
+    real = gemv.fused_gemv
+
+    def counted(x, weights, *args, **kwargs):
+        calls.append(tuple(w.shape[0] for w in weights))
+        return real(x, weights, *args, **kwargs)
+
+    from torch_kdtree.models.kimi_k2 import modeling, moe
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
+    monkeypatch.setattr(modeling, "fused_gemv", counted)
+    monkeypatch.setattr(moe, "fused_gemv", counted)
+    step = decode_step
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
+    try:
+        got = torch.cat([step(model, fused_cache, tokens[:, t : t + 1], fused_cache.lengths.long()[:, None], visible)
+                         for t in range(3)], dim=1)
+    finally:
+        torch._dynamo.reset()
+    cfg = model.config
+    q_a, kv_a = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    q_b = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    layer0 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.intermediate_size, cfg.intermediate_size),
+              (cfg.hidden_size,)]
+    layer1 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,)]
+    assert calls == (layer0 + layer1) * 3  # per step (dynamo replays the list's appends)
+    assert rel_err(got.float(), want.float()) <= 3e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    calls.clear()  # five rows: module calls
+    cache5 = KimiK2Cache.for_model(model, 5, 32, page_size=4, dtype=torch.bfloat16)
+    model(torch.zeros(5, 1, dtype=torch.long), cache5.lengths.long()[:, None], cache5,
+          torch.ones(5, 1, 1, dtype=torch.bool))
+    assert calls == []
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeypatch):
+    """On CUDA (forced here) a decode-sized bf16 MoE block makes one kdtree::moe_gemv call that also
+    computes the shared expert: the routed + shared sum of the module calls (bf16 tolerance)."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+                                                num_experts_per_tok=4))
+    torch.manual_seed(5)
+    block = moe.KimiK2MoE(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    block.to(torch.bfloat16)
+    x = torch.randn(2, 1, 64).to(torch.bfloat16)
+    want = block(x)  # module calls (no CUDA here)
+    calls = []
+    real = moe.moe_gemv
+    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append(len(a)) or real(*a))
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    fn = block
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(block, backend="aot_eager", fullgraph=True)
+    try:
+        got = fn(x)
+    finally:
+        torch._dynamo.reset()
+    assert calls == [9]  # x, three expert stacks, ids, weights and the three shared weights
+    assert rel_err(got.float(), want.float()) <= 2e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
+    """On CUDA (forced here; the op's CPU kernel runs) the router's choice is one kdtree::moe_route
+    call, eager and compiled (fullgraph): the ids and weights of its torch code."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    cfg = KimiK2Config(hidden_size=32, n_routed_experts=64, num_experts_per_tok=8, n_group=4, topk_group=2,
+                       norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = moe.KimiK2Router(cfg)
+    g = torch.Generator().manual_seed(77)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(64, 32, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(64, generator=g) * 0.1)
+    x = torch.randn(3, 32, generator=g)
+    want_ids, want_w = router(x)  # torch ops (no CUDA here)
+    calls = []
+    real = moe.moe_route
+    monkeypatch.setattr(moe, "moe_route", lambda *a: calls.append(a[2:]) or real(*a))
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)
+    fn = router
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(router, backend="aot_eager", fullgraph=True)
+    try:
+        ids, w = fn(x)
+    finally:
+        torch._dynamo.reset()
+    assert calls == [(8, 4, 2, True, 2.5)]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w)
+
+
 @pytest.mark.parametrize("T,k,want_op", [(1, 8, True), (4, 8, True), (5, 8, False), (17, 8, False)])
 def test_bf16_decode_experts_use_moe_gemv(T, k, want_op, monkeypatch):
     """On CUDA (forced here) bf16 experts with at most 32 token-slots go to kdtree::moe_gemv, eager

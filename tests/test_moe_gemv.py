@@ -25,9 +25,17 @@ def make_routing(gen, T, k, E, device="cpu"):
     return ids, (w / w.sum(-1, keepdim=True) * 2.5).float()
 
 
-def oracle(x, gate, up, down, ids, w):
+def make_shared(gen, H, Is, dtype=torch.bfloat16, device="cpu"):
+    """A shared expert as nn.Linear weights: gate / up [Is, H], down [H, Is]."""
+    g = torch.randn((Is, H), generator=gen, device=device) / H**0.5
+    u = torch.randn((Is, H), generator=gen, device=device) / H**0.5
+    d = torch.randn((H, Is), generator=gen, device=device) / Is**0.5
+    return g.to(dtype), u.to(dtype), d.to(dtype)
+
+
+def oracle(x, gate, up, down, ids, w, shared_gate=None, shared_up=None, shared_down=None):
     """float64, one (token, slot) at a time with explicit loops over the weight rows' products;
-    the op's rounding points applied by casting through x's dtype."""
+    the op's rounding points applied by casting through x's dtype; the shared expert last."""
     dt = x.dtype
     rnd = lambda v: v.to(dt).double()  # noqa: E731
     T, H = x.shape
@@ -43,6 +51,10 @@ def oracle(x, gate, up, down, ids, w):
             a = rnd(g / (1 + torch.exp(-g)) * u)
             y = (down[e].double().cpu() * a).sum(-1)
             out[t] += float(w[t, j]) * y
+        if shared_gate is not None:
+            g = rnd((shared_gate.double().cpu() * xt).sum(-1))
+            u = rnd((shared_up.double().cpu() * xt).sum(-1))
+            out[t] += (shared_down.double().cpu() * rnd(g / (1 + torch.exp(-g)) * u)).sum(-1)
     return out
 
 
@@ -63,6 +75,21 @@ def test_reference_matches_float64_oracle_in_float32(fresh_seed, T, k, E, H, I):
     ids, w = make_routing(gen, T, k, E)
     got = moe_gemv_reference(x, gate, up, down, ids, w)
     torch.testing.assert_close(got.double(), oracle(x, gate, up, down, ids, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("Is", [16, 48])
+def test_reference_with_a_shared_expert_matches_float64_oracle(fresh_seed, Is):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    gate, up, down = make_experts(gen, 8, 64, 32, torch.float32)
+    shared = make_shared(gen, 64, Is, torch.float32)
+    x = torch.randn((3, 64), generator=gen)
+    ids, w = make_routing(gen, 3, 4, 8)
+    got = moe_gemv_reference(x, gate, up, down, ids, w, *shared)
+    torch.testing.assert_close(got.double(), oracle(x, gate, up, down, ids, w, *shared), rtol=1e-5, atol=1e-5)
+    # the shared term is the model's shared MLP, added to the routed sum
+    sg, su, sd = shared
+    mlp = F.linear(F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
+    torch.testing.assert_close(got, moe_gemv_reference(x, gate, up, down, ids, w) + mlp, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_in_bfloat16_rounds_where_the_oracle_does(fresh_seed):
@@ -146,6 +173,19 @@ def test_bad_shapes_raise(small):
         moe_gemv(x, gate, up, down, ids.t().contiguous().t(), w)
 
 
+def test_bad_shared_expert_raises(small):
+    x, gate, up, down, ids, w = small
+    sg, su, sd = make_shared(torch.Generator().manual_seed(1), 32, 16)
+    with pytest.raises(ValueError, match="come together"):
+        moe_gemv(x, gate, up, down, ids, w, sg, su)
+    with pytest.raises(ValueError, match=r"shared_down \[H, Is\]"):
+        moe_gemv(x, gate, up, down, ids, w, sg, su, sd.t().contiguous())
+    with pytest.raises(ValueError, match="multiple of 8"):
+        moe_gemv(x, gate, up, down, ids, w, sg[:12].contiguous(), su[:12].contiguous(), sd[:, :12].contiguous())
+    with pytest.raises(TypeError, match="shared_up must be torch.bfloat16"):
+        moe_gemv(x, gate, up, down, ids, w, sg, su.float(), sd)
+
+
 def test_expert_ids_out_of_range_raise(small):
     x, gate, up, down, ids, w = small
     with pytest.raises(ValueError, match=r"expert ids in \[0, 4\)"):
@@ -160,6 +200,8 @@ def test_expert_ids_out_of_range_raise(small):
 
 def test_opcheck_cpu(small):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small)
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default,
+                          small + make_shared(torch.Generator().manual_seed(2), 32, 16))
 
 
 def test_compiles_with_fullgraph_on_cpu(small):
@@ -204,6 +246,22 @@ def test_cuda_kernel_matches_reference(fresh_seed, T, k, E, H, I):
 
 
 @requires_kernel
+@pytest.mark.parametrize("T,k,E,H,I,Is", [
+    (1, 8, 64, 2048, 512, 512),     # the 2p2b decode step with its shared expert
+    (4, 8, 48, 7168, 256, 256),     # K2 TP-8 slice, four requests
+    (3, 6, 10, 136, 24, 1040),      # Is past the up-front chunks (> 512), odd sizes
+    (2, 2, 5, 64, 64, 8),           # Is < I
+])
+def test_cuda_kernel_with_shared_expert_matches_reference(fresh_seed, T, k, E, H, I, Is):
+    args = cuda_case(fresh_seed, T, k, E, H, I)
+    shared = make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
+    got = moe_gemv(*args, *shared)
+    want = moe_gemv_reference(*(a.cpu() for a in args + shared))
+    assert got.shape == (T, H)
+    assert rel_err(got, want) < 8e-3
+
+
+@requires_kernel
 def test_cuda_duplicate_and_out_of_range_ids(fresh_seed):
     x, gate, up, down, ids, w = cuda_case(fresh_seed, 3, 4, 8, 256, 64)
     ids[0, 1] = ids[0, 0]
@@ -226,6 +284,8 @@ def test_cuda_results_are_deterministic(fresh_seed):
 @requires_kernel
 def test_opcheck_cuda(fresh_seed):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64))
+    shared = make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed), 256, 64, device="cuda")
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64) + shared)
 
 
 @requires_kernel

@@ -6,14 +6,25 @@ more kernel.  Written as a broadcast multiply and a sum, inductor emits one redu
 that reads the weight once and fuses the producers of ``x`` (the norm's scaling) into its loads.
 Eager code, large weights (the vocabulary head) and modules that others hook (tensor-parallel
 wrappers, DTensor weights) keep ``module(x)``.
+
+Where ``kdtree::gemv`` has a CUDA kernel, bf16 layers of at most FUSED_ROWS rows go to it instead,
+eager or compiled (:func:`use_fused`): it streams the weights at a higher rate than inductor's
+reductions and takes the RMSNorm before a projection (and the residual add after one) into the
+same kernel.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from torch_kdtree.ops import gemv as fused_gemv
+
 GEMV_ROWS = 4                 # at most this many rows (tokens) per call
 GEMV_MAX_WEIGHT = 1 << 25     # elements; larger weights stay on cuBLAS (bandwidth-bound anyway)
+FUSED_ROWS = 4                # kdtree::gemv: at most this many rows (one block of rows in the kernel)
+
+# Read once at import (torch_kdtree has loaded its kernels by now), a constant for torch.compile.
+_HAS_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemv", "CUDA")
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -33,6 +44,25 @@ def use_gemv_rows(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() <= GEMV_MAX_WEIGHT and not hasattr(weight, "placements"))
 
 
+def use_fused(x: torch.Tensor, *modules: nn.Module) -> bool:
+    """True when ``kdtree::gemv`` should compute these modules (linears and RMSNorms) on ``x``:
+    the CUDA kernel built, x bf16 on CUDA with at most FUSED_ROWS rows, and every module plain --
+    bf16 contiguous weights that are not DTensors, no bias, no hooks (tensor-parallel wrappers)."""
+    return (_HAS_GEMV_CUDA and _on_gpu(x) and x.dtype == torch.bfloat16 and x.numel() <= FUSED_ROWS * x.shape[-1]
+            and plain_bf16(*modules))
+
+
+def plain_bf16(*modules: nn.Module) -> bool:
+    """Every module's ``weight`` is a plain contiguous bf16 tensor (not a DTensor), with no bias and
+    no hooks (tensor-parallel wrappers): a fused kernel may read it directly."""
+    for m in modules:
+        w = m.weight
+        if (getattr(m, "bias", None) is not None or m._forward_hooks or m._forward_pre_hooks
+                or w.dtype != torch.bfloat16 or hasattr(w, "placements") or not w.is_contiguous()):
+            return False
+    return True
+
+
 def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` in fp32 as a broadcast product and a sum over the input dimension."""
     return (x.float()[..., None, :] * weight.float()).sum(-1)
@@ -50,4 +80,5 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-__all__ = ["linear", "matvec", "use_gemv", "use_gemv_rows", "GEMV_ROWS", "GEMV_MAX_WEIGHT"]
+__all__ = ["linear", "matvec", "use_fused", "plain_bf16", "fused_gemv", "use_gemv", "use_gemv_rows", "GEMV_ROWS", "GEMV_MAX_WEIGHT",
+           "FUSED_ROWS"]

@@ -36,7 +36,7 @@ from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
-from .gemv import linear, use_gemv_rows
+from .gemv import fused_gemv, linear, use_fused, use_gemv_rows
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
@@ -166,17 +166,33 @@ class KimiK2Attention(nn.Module):
         self.softmax_scale = config.softmax_scale
         self.rope_interleave = config.rope_interleave is not False
 
-    def _project(self, x, cos, sin):
+    def fused_ok(self, h: torch.Tensor, norm: "KimiK2RMSNorm") -> bool:
+        """Whether a tree pass over the residual stream ``h`` takes the fused decode path: the
+        layer's input ``norm`` inside the q_a / kv_a (or q / kv_a) projections' kernel, q_a_layernorm
+        inside q_b's, the residual add inside o_proj's (``kdtree::gemv``, :func:`use_fused`)."""
+        projections = (self.q_proj,) if hasattr(self, "q_proj") else (self.q_a_proj, self.q_a_layernorm, self.q_b_proj)
+        return use_fused(h, norm, self.kv_a_proj_with_mqa, self.o_proj, *projections)
+
+    def _project(self, x, cos, sin, norm=None):
         """x [R, T, H] -> q_nope [R, T, h, 128], rotated q_rope [R, T, h, 64], and the cache
-        entries ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, 576]."""
-        if hasattr(self, "q_proj"):
-            q = linear(self.q_proj, x)
+        entries ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, 576].  With ``norm`` (the fused
+        path, :meth:`fused_ok`) x is the residual stream and ``norm`` runs inside the kernel of
+        the projections that read it."""
+        if norm is not None:
+            first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+            q, ckv = fused_gemv(x, [first.weight, self.kv_a_proj_with_mqa.weight], norm.weight, norm.eps)
+            if not hasattr(self, "q_proj"):
+                (q,) = fused_gemv(q, [self.q_b_proj.weight], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
         else:
-            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
+            if hasattr(self, "q_proj"):
+                q = linear(self.q_proj, x)
+            else:
+                q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
+            ckv = linear(self.kv_a_proj_with_mqa, x)
         q = q.view(*x.shape[:-1], -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos[..., None, :], sin[..., None, :], self.rope_interleave)
-        c, k_rope = linear(self.kv_a_proj_with_mqa, x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c, k_rope = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
         return q_nope, q_rope, latent
 
@@ -185,10 +201,16 @@ class KimiK2Attention(nn.Module):
         w = self.kv_b_proj.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, layer_idx: int) -> torch.Tensor:
-        q_nope, q_rope, latent = self._project(x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, layer_idx: int,
+                norm: Optional["KimiK2RMSNorm"] = None) -> torch.Tensor:
+        """Attention of the normalised hidden states ``x``.  With ``norm`` (tree passes that
+        :meth:`fused_ok` accepts), ``x`` is the residual stream itself and the result is
+        ``x + attention(norm(x))``, with the norm and the residual add inside the GEMV kernels."""
+        if norm is not None and not isinstance(batch, _Tree):
+            raise ValueError("KimiK2Attention: the fused norm / residual path is for tree passes only")
+        q_nope, q_rope, latent = self._project(x, cos, sin, norm)
         if isinstance(batch, _Tree):
-            return self._absorbed(x, q_nope, q_rope, latent, batch, layer_idx)
+            return self._absorbed(x, q_nope, q_rope, latent, batch, layer_idx, residual=x if norm is not None else None)
         return self._expanded(x, q_nope, q_rope, latent, batch, layer_idx)
 
     def _expanded(self, x, q_nope, q_rope, latent, batch: _Prefill, layer_idx):
@@ -209,9 +231,9 @@ class KimiK2Attention(nn.Module):
                                              attn_mask=batch.mask, scale=self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, heads * self.v_head_dim))
 
-    def _absorbed(self, x, q_nope, q_rope, latent, batch: _Tree, layer_idx):
+    def _absorbed(self, x, q_nope, q_rope, latent, batch: _Tree, layer_idx, residual=None):
         """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
-        d_v 512), out = o_lat W_UV^T, o_proj."""
+        d_v 512), out = o_lat W_UV^T, o_proj (plus ``residual`` in o_proj's kernel, if given)."""
         R, N = x.shape[:2]
         cache = batch.cache
         cache.write(layer_idx, batch.slots, latent)
@@ -230,6 +252,8 @@ class KimiK2Attention(nn.Module):
             out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
         else:
             out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
+        if residual is not None:
+            return fused_gemv(out.reshape(R, N, -1), [self.o_proj.weight], residual=residual)[0]
         return linear(self.o_proj, out.reshape(R, N, -1))
 
 
@@ -249,7 +273,13 @@ class KimiK2DecoderLayer(nn.Module):
         self.post_attention_layernorm = KimiK2RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, batch, layer_idx: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
+        # Decode-sized bf16 passes on CUDA: the norms and residual adds inside kdtree::gemv launches.
+        if isinstance(batch, _Tree) and self.self_attn.fused_ok(h, self.input_layernorm):
+            h = self.self_attn(h, cos, sin, batch, layer_idx, norm=self.input_layernorm)
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
+        if isinstance(self.mlp, KimiK2MLP) and self.mlp.fused_ok(h, self.post_attention_layernorm):
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv
+from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route
+from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
 from .fixed_dtype import FixedDtype
 from . import gemv
-from .gemv import linear, matvec, use_gemv
+from .gemv import fused_gemv, linear, matvec, plain_bf16, use_fused, use_gemv
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Above this many gathered weight elements (T * k * 3 * I * H) the eager dense path loops over
@@ -32,6 +33,7 @@ _MOE_GEMV_SLOTS = 32
 
 # Read once at import (torch_kdtree has loaded its kernels by now), a constant for torch.compile.
 _HAS_MOE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA")
+_HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")
 
 
 class KimiK2MLP(nn.Module):
@@ -43,8 +45,22 @@ class KimiK2MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+    def fused_ok(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether ``forward(x, norm, residual)`` takes the two-launch ``kdtree::gemv`` path."""
+        return use_fused(x, norm, self.gate_proj, self.up_proj, self.down_proj)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``; with ``norm`` (an RMSNorm) and ``residual``:
+        ``residual + MLP(norm(x))`` -- when :meth:`fused_ok`, two kdtree::gemv launches (the norm
+        inside gate/up's, SwiGLU and the residual add inside down's)."""
+        if norm is not None and residual is not None and self.fused_ok(x, norm):
+            g, u = fused_gemv(x, [self.gate_proj.weight, self.up_proj.weight], norm.weight, norm.eps)
+            return fused_gemv(g, [self.down_proj.weight], up=u, residual=residual)[0]
+        if norm is not None:
+            x = norm(x)
+        y = linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        return y if residual is None else residual + y
 
 
 def rank_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -97,8 +113,21 @@ class KimiK2Router(FixedDtype):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k])."""
+        """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k]).  On CUDA the choice is
+        one ``kdtree::moe_route`` launch (same rule, ties lower expert id first), eager or compiled."""
         logits = matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
+        if self._use_route_op(logits):
+            return moe_route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
+                             bool(self.norm_topk_prob), float(self.routed_scaling_factor))
+        return self._route(logits)
+
+    def _use_route_op(self, logits: torch.Tensor) -> bool:
+        E = logits.shape[-1]
+        return (_HAS_MOE_ROUTE_CUDA and gemv._on_gpu(logits) and E <= _ROUTE_MAX_E and self.top_k <= _ROUTE_MAX_K
+                and self.n_group <= _ROUTE_MAX_G)
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choice in torch ops, from fp32 logits [T, E]."""
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -284,10 +313,25 @@ class KimiK2MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_ids, topk_weights = self.gate(x)
+        shared = self.shared_experts
+        if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
+            # the shared expert as one more slot of the routed experts' two launches
+            e = self.experts
+            y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, shared.gate_proj.weight,
+                         shared.up_proj.weight, shared.down_proj.weight)
+            return y.view(shape)
         y = self.experts(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if shared is not None:
+            y = y + shared(x)
         return y.view(shape)
+
+    def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+        """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16
+        (intermediate size a multiple of 8): the op computes both."""
+        shared = self.shared_experts
+        return (self.experts._use_moe_gemv(x, topk_ids) and shared.gate_proj.weight.shape[0] % 8 == 0
+                and not (shared._forward_hooks or shared._forward_pre_hooks)
+                and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 
 
 __all__ = ["KimiK2MLP", "KimiK2Router", "KimiK2Experts", "KimiK2MoE"]

@@ -52,8 +52,22 @@ TORCH_LIBRARY(kdtree, m) {
   // ---- bf16 MoE for decode-sized batches (ops/moe_gemv.py, csrc/moe_gemv.cu) ----
   // Routed experts with bf16 weights gate/up [E, I, H], down [E, H, I]: one GEMV per
   // (token, slot), out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
+  // Optionally plus a shared expert (shared_gate / shared_up [Is, H], shared_down [H, Is], weight 1).
   m.def("moe_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor topk_ids,"
-        " Tensor topk_weights) -> Tensor");
+        " Tensor topk_weights, Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None)"
+        " -> Tensor");
+
+  // noaux_tc expert selection from router logits [T, E] (fp32): sigmoid scores, + bias to choose
+  // (optionally group-limited), top_k largest first (ties: lower id), weights = scores of the chosen
+  // (renormalised to sum 1 if asked) * scaling.
+  m.def("moe_route(Tensor logits, Tensor bias, int top_k, int n_group=1, int topk_group=1,"
+        " bool renormalize=True, float scaling=1.0) -> (Tensor topk_ids, Tensor topk_weights)");
+
+  // ---- decode-sized linear layers (ops/gemv.py, csrc/gemv.cu) ----
+  // out_i = prologue(x) @ weights[i].T for up to 4 weights [N_i, K] sharing x [M, K]; the prologue
+  // is x, RMSNorm(x) * norm_weight, or silu(x) * up; with one weight, optionally + residual.
+  m.def("gemv(Tensor x, Tensor[] weights, Tensor? norm_weight=None, float eps=1e-06, Tensor? up=None,"
+        " Tensor? residual=None) -> Tensor[]");
 
 }
 

@@ -4,16 +4,18 @@
 // A handful of tokens touch k experts each, so the work is reading those experts' weights once:
 // a GEMV per (token, slot), bound by HBM.  Two launches, both with shapes from static sizes only
 // (CUDA-graph safe), no atomics, fixed summation orders (deterministic):
-//   1. gate/up: grid (ceil(I / 8), T·k); warp = one channel i of one slot: the dot products of
-//      gate row i and up row i of expert ids[slot] with x[token] (16-byte streaming loads along
-//      H, eight chunks of each row in flight per lane), a xor-shuffle sum, then act[slot, i] =
-//      bf16(silu(bf16(g)) · bf16(u)).
+//   1. gate/up: grid (ceil(max(I, Is) / 8), T·k [+ T]); warp = one channel i of one slot: the dot
+//      products of gate row i and up row i of expert ids[slot] (or of the shared expert, slots
+//      T·k + t) with x[token] (16-byte streaming loads along H, eight chunks of each row in flight
+//      per lane), a xor-shuffle sum, then act[slot, i] = bf16(silu(bf16(g)) · bf16(u)).
 //   2. down: grid (ceil(H / 8), T); warp = one output row h of one token: each lane sums
 //      w_j · (its chunks of down row h of expert e_j · act[slot j]) over the slots, four slots'
-//      rows in flight at a time, then one xor-shuffle sum: out = bf16(Σ_j w_j · y_j) in fp32.
+//      rows in flight at a time (the shared expert's first chunks loaded up front), then one
+//      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32.
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
+#include "bf16_vec.cuh"
 #include "check.h"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
@@ -22,7 +24,9 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 
 namespace kdtree {
 namespace {
@@ -31,34 +35,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxTopk = 16;
 constexpr int kSlotBatch = 4;  // down: slots whose rows a warp streams together
-
-// 16 bytes of a weight row: read once, so no L1 allocation.  Not volatile: the compiler may
-// batch these loads ahead of the arithmetic.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-
-// Σ of the 8 bf16 products of a and b, in fp32.
-__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
-  acc = fmaf(bf16_lo(a.x), bf16_lo(b.x), acc);
-  acc = fmaf(bf16_hi(a.x), bf16_hi(b.x), acc);
-  acc = fmaf(bf16_lo(a.y), bf16_lo(b.y), acc);
-  acc = fmaf(bf16_hi(a.y), bf16_hi(b.y), acc);
-  acc = fmaf(bf16_lo(a.z), bf16_lo(b.z), acc);
-  acc = fmaf(bf16_hi(a.z), bf16_hi(b.z), acc);
-  acc = fmaf(bf16_lo(a.w), bf16_lo(b.w), acc);
-  acc = fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
-  return acc;
-}
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+constexpr int kSharedBatch = 2;  // down: 16-byte chunks per lane of the shared expert's row loaded up front
 
 // NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
 template <int NB>
@@ -79,21 +56,28 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
   }
 }
 
+// Slots 0 .. T·k - 1 are the routed (token, slot) pairs; with a shared expert, slots T·k + t are
+// token t's shared expert (weights [Is, H], activations after the routed ones in act).
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
-                   int I, __nv_bfloat16* __restrict__ act) {
+                   int I, const __nv_bfloat16* __restrict__ shared_gate, const __nv_bfloat16* __restrict__ shared_up,
+                   int Is, int T, __nv_bfloat16* __restrict__ act) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int slot = blockIdx.y, t = slot / k;
+  const int slot = blockIdx.y;
+  const bool is_shared = slot >= T * k;
+  const int t = is_shared ? slot - T * k : slot / k;
+  const int rows = is_shared ? Is : I;
   const int i = blockIdx.x * kWarps + warp;
-  if (i >= I) return;
-  const int e = ids[slot];
+  if (i >= rows) return;
+  const int e = is_shared ? 0 : ids[slot];
   float g = 0.f, u = 0.f;
-  if (e >= 0 && e < E) {
+  if (is_shared || (e >= 0 && e < E)) {
     const int chunks = H / 8;
     const uint4* xr = reinterpret_cast<const uint4*>(x + int64_t(t) * H);
-    const uint4* gr = reinterpret_cast<const uint4*>(gate + (int64_t(e) * I + i) * H);
-    const uint4* ur = reinterpret_cast<const uint4*>(up + (int64_t(e) * I + i) * H);
+    const int64_t row = is_shared ? int64_t(i) * H : (int64_t(e) * I + i) * H;
+    const uint4* gr = reinterpret_cast<const uint4*>((is_shared ? shared_gate : gate) + row);
+    const uint4* ur = reinterpret_cast<const uint4*>((is_shared ? shared_up : up) + row);
     int c = lane;
     for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8>(gr, ur, xr, c, g, u);
     for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4>(gr, ur, xr, c, g, u);
@@ -103,19 +87,39 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   u = warp_sum(u);
   if (lane == 0) {
     const float gb = round_bf16(g), ub = round_bf16(u);
-    act[int64_t(slot) * I + i] = __float2bfloat16(gb / (1.f + __expf(-gb)) * ub);
+    const int64_t at = is_shared ? int64_t(T) * k * I + int64_t(t) * Is + i : int64_t(slot) * I + i;
+    act[at] = __float2bfloat16(gb / (1.f + __expf(-gb)) * ub);
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
-                __nv_bfloat16* __restrict__ out) {
+                const __nv_bfloat16* __restrict__ shared_down, int Is, int T, __nv_bfloat16* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
   if (h >= H) return;
   const int chunks = I / 8;
   float acc = 0.f;
+  // The shared expert (weight 1): its first kSharedBatch chunks per lane in flight with the
+  // routed slots' loads, the rest (Is > 256 · kSharedBatch) after them.
+  float sd = 0.f;
+  uint4 sw[kSharedBatch], sa[kSharedBatch];
+  const uint4* sr = nullptr;
+  const uint4* sar = nullptr;
+  const int schunks = Is / 8;
+  if (shared_down != nullptr) {
+    sr = reinterpret_cast<const uint4*>(shared_down + int64_t(h) * Is);
+    sar = reinterpret_cast<const uint4*>(act + int64_t(T) * k * I + int64_t(t) * Is);
+#pragma unroll
+    for (int q = 0; q < kSharedBatch; ++q) {
+      const int c = lane + 32 * q;
+      if (c < schunks) {
+        sw[q] = ld_stream(sr + c);
+        sa[q] = __ldg(sar + c);
+      }
+    }
+  }
   for (int j0 = 0; j0 < k; j0 += kSlotBatch) {  // kSlotBatch slots' rows in flight together
     const uint4* wr[kSlotBatch];
     const uint4* ar[kSlotBatch];
@@ -147,12 +151,21 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSlotBatch; ++q) acc = fmaf(wj[q], d[q], acc);
   }
+  if (shared_down != nullptr) {
+#pragma unroll
+    for (int q = 0; q < kSharedBatch; ++q)
+      if (lane + 32 * q < schunks) sd = dot8(sw[q], sa[q], sd);
+    for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldg(sar + c), sd);
+    acc += sd;
+  }
   acc = warp_sum(acc);
   if (lane == 0) out[int64_t(t) * H + h] = __float2bfloat16(acc);
 }
 
 at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                         const at::Tensor& topk_ids, const at::Tensor& topk_weights) {
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
+                         const std::optional<at::Tensor>& shared_down) {
   constexpr const char* op = "kdtree::moe_gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
@@ -178,21 +191,46 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   for (const at::Tensor* t : {&x, &gate, &up, &down})
     KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op,
              ": x, gate_proj, up_proj and down_proj must be 16-byte aligned");
+  const bool has_shared = shared_gate.has_value() || shared_up.has_value() || shared_down.has_value();
+  int64_t Is = 0;
+  if (has_shared) {
+    KD_CHECK(shared_gate.has_value() && shared_up.has_value() && shared_down.has_value(), op,
+             ": shared_gate, shared_up and shared_down come together");
+    check_cuda_tensor(*shared_gate, op, "shared_gate", at::kBFloat16, 2);
+    check_cuda_tensor(*shared_up, op, "shared_up", at::kBFloat16, 2);
+    check_cuda_tensor(*shared_down, op, "shared_down", at::kBFloat16, 2);
+    Is = shared_gate->size(0);
+    KD_CHECK(shared_gate->size(1) == H && shared_up->sizes() == shared_gate->sizes() && shared_down->size(0) == H &&
+                 shared_down->size(1) == Is && Is > 0 && Is % 8 == 0,
+             op, ": shared_gate / shared_up must be [Is, H = ", H, "] and shared_down [H, Is] with Is a positive "
+             "multiple of 8, got ", shared_gate->sizes(), ", ", shared_up->sizes(), ", ", shared_down->sizes());
+    for (const at::Tensor* t : {&*shared_gate, &*shared_up, &*shared_down}) {
+      KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
+      KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": the shared expert's weights must be "
+               "16-byte aligned");
+    }
+    KD_CHECK(T * (k + 1) <= 65535, op, ": at most 65535 token-slots with the shared expert, got T = ", T);
+  }
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor act = at::empty({T * k, I}, x.options());
+  at::Tensor act = at::empty({T * k * I + T * Is}, x.options());
+  const auto* sg = has_shared ? reinterpret_cast<const __nv_bfloat16*>(shared_gate->data_ptr()) : nullptr;
+  const auto* su = has_shared ? reinterpret_cast<const __nv_bfloat16*>(shared_up->data_ptr()) : nullptr;
+  const auto* sdp = has_shared ? reinterpret_cast<const __nv_bfloat16*>(shared_down->data_ptr()) : nullptr;
+  const int64_t gu_rows = std::max(I, Is);
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
-  moe_gate_up_kernel<<<dim3(unsigned((I + kWarps - 1) / kWarps), unsigned(T * k)), kThreads, 0, stream>>>(
+  moe_gate_up_kernel<<<dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
+                       kThreads, 0, stream>>>(
       xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()),
-      idp, int(k), int(E), int(H), int(I), actp);
+      idp, int(k), int(E), int(H), int(I), sg, su, int(Is), int(T), actp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   moe_down_kernel<<<dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), kThreads, 0, stream>>>(
       actp, reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp, topk_weights.data_ptr<float>(), int(k),
-      int(E), int(H), int(I), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+      int(E), int(H), int(I), sdp, int(Is), int(T), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -17,3 +17,9 @@ from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_m
 
 # ---- bf16 MoE for decode-sized batches ----
 from .moe_gemv import moe_gemv, moe_gemv_reference
+
+# ---- decode-sized linear layers (fused RMSNorm / SwiGLU prologue, residual epilogue) ----
+from .gemv import gemv, gemv_reference
+
+# ---- noaux_tc routing ----
+from .moe_route import moe_route, moe_route_reference

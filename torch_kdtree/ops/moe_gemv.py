@@ -3,12 +3,14 @@
 ``out[t] = Σ_j topk_weights[t, j] · down_e(silu(gate_e(x[t])) · up_e(x[t]))`` with
 ``e = topk_ids[t, j]``, for experts stacked as ``gate_proj`` / ``up_proj`` [E, I, H] and
 ``down_proj`` [E, H, I] (the model's dense expert storage; transformers' fused ``gate_up_proj``
-is their concatenation along dim 1).
+is their concatenation along dim 1).  Optionally plus a shared expert with weight 1
+(``shared_gate`` / ``shared_up`` [Is, H], ``shared_down`` [H, Is]: nn.Linear weights), computed
+in the same two launches.
 
 Rounding points (the CUDA kernel and this reference agree on them; sums are fp32):
 ``g = bf16(x·gate_e)``, ``u = bf16(x·up_e)``, ``a = bf16(silu(g)·u)`` (the activations a bf16
-GEMM path would store), then ``out = bf16(Σ_j w_j · (a_j·down_e_j))`` with the down products and
-their weighted sum in fp32 (as ``kdtree::int4_moe``).  Deterministic: a fixed summation order.
+GEMM path would store), then ``out = bf16(Σ_j w_j · (a_j·down_e_j) [+ a_s·shared_down])`` with the down products and
+their weighted sum in fp32 (as ``kdtree::int4_moe``; the shared term added last).  Deterministic: a fixed summation order.
 Ids outside [0, E) contribute nothing (eager calls reject them first).
 
 The CUDA kernel (csrc/moe_gemv.cu) is a GEMV per (token, slot) that streams each touched
@@ -26,7 +28,8 @@ MAX_TOPK = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, op="moe_gemv") -> None:
+def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None,
+           shared_down=None, op="moe_gemv") -> None:
     check_tensor(op, "x", x, _DTYPES, 2)
     for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         check_tensor(op, name, t, x.dtype, 3)
@@ -51,36 +54,60 @@ def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, op="moe_gem
         raise ValueError(f"{op}: at most 65535 tokens and token-slots, got T = {T}, k = {k}")
     if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
         raise ValueError(f"{op}: topk_ids must be expert ids in [0, {E})")
+    shared = (shared_gate, shared_up, shared_down)
+    if any(t is not None for t in shared):
+        if any(t is None for t in shared):
+            raise ValueError(f"{op}: shared_gate, shared_up and shared_down come together")
+        for name, t in zip(("shared_gate", "shared_up", "shared_down"), shared):
+            check_tensor(op, name, t, x.dtype, 2)
+        check_same_device(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
+        Is = shared_gate.shape[0]
+        if (tuple(shared_gate.shape) != (Is, H) or tuple(shared_up.shape) != (Is, H)
+                or tuple(shared_down.shape) != (H, Is) or Is == 0 or Is % 8):
+            raise ValueError(f"{op}: shared_gate / shared_up must be [Is, H = {H}] and shared_down [H, Is] with Is a "
+                             f"positive multiple of 8, got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
+                             f"{tuple(shared_down.shape)}")
+        if T * (k + 1) > 65535:
+            raise ValueError(f"{op}: at most 65535 token-slots with the shared expert, got T = {T}")
+
+
+def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(silu(bf16(x·gate)) · bf16(x·up)) (in x's dtype), as fp32."""
+    dt = x.dtype
+    g = (x.float() @ gate.float().T).to(dt).float()
+    u = (x.float() @ up.float().T).to(dt).float()
+    return (F.silu(g) * u).to(dt).float()
 
 
 def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                       topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
+                       shared_up: torch.Tensor | None = None,
+                       shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::moe_gemv``: per used expert, fp32
-    matmuls with the rounding points of the module docstring; the top-k terms summed in order."""
-    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
+    matmuls with the rounding points of the module docstring; the top-k terms summed in order,
+    then the shared expert's."""
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
     T, H = x.shape
     E, k = gate_proj.shape[0], topk_ids.shape[1]
     dt = x.dtype
     ids = topk_ids.long()
     ys = torch.zeros((T, k, H), dtype=torch.float32, device=x.device)
     valid = (ids >= 0) & (ids < E)
-    xf = x.float()
     for e in torch.unique(ids[valid]).tolist():
         rows, js = torch.nonzero(ids == e, as_tuple=True)
-        xe = xf[rows]
-        g = (xe @ gate_proj[e].float().T).to(dt).float()
-        u = (xe @ up_proj[e].float().T).to(dt).float()
-        a = (F.silu(g) * u).to(dt).float()
-        ys[rows, js] = a @ down_proj[e].float().T
+        ys[rows, js] = _activation(x[rows], gate_proj[e], up_proj[e]) @ down_proj[e].float().T
     w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     for j in range(k):
         out += w[:, j, None] * ys[:, j]
+    if shared_gate is not None:
+        out += _activation(x, shared_gate, shared_up) @ shared_down.float().T
     return out.to(dt)
 
 
 def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-             topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+             topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
+             shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert MLP with dense (bf16 on CUDA) weights, one GEMV per (token, slot).
 
     Args:
@@ -88,17 +115,20 @@ def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, do
         gate_proj, up_proj: [E, I, H] in x's dtype; down_proj: [E, H, I]. H and I multiples of 8.
         topk_ids: int32 [T, k], 1 <= k <= 16, expert ids in [0, E).
         topk_weights: float32 [T, k] router weights (already normalised and scaled).
+        shared_gate, shared_up: [Is, H], shared_down: [H, Is] (all three or none): a shared expert
+            added with weight 1. Is a multiple of 8.
     No host synchronisation on CUDA (CUDA-graph safe); deterministic.
     """
-    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
-    return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights)
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
+    return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up,
+                                     shared_down)
 
 
 torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
 
 
 @torch.library.register_fake("kdtree::moe_gemv")
-def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights):
+def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
     return x.new_empty(x.shape)
 
 

@@ -1,0 +1,281 @@
+"""kdtree::gemv (decode-sized linear layers with an RMSNorm / SwiGLU prologue and a residual
+epilogue): the CPU reference against an independent float64 oracle and against the model's own
+modules, bad inputs, opcheck and torch.compile; on CUDA the kernel against the reference on fresh
+random inputs every run, determinism, CUDA graphs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .conftest import requires_cuda_kernel
+from torch_kdtree.ops import gemv, gemv_reference
+
+requires_kernel = requires_cuda_kernel("kdtree::gemv")
+
+
+def make_case(gen, M, K, Ns, prologue=None, residual=False, dtype=torch.bfloat16, device="cpu"):
+    """x [M, K], weights [N_i, K] scaled to O(1) outputs, and the prologue / residual inputs."""
+    x = (torch.randn((M, K), generator=gen, device=device) * 3).to(dtype)
+    weights = [(torch.randn((N, K), generator=gen, device=device) / K**0.5).to(dtype) for N in Ns]
+    kw = {}
+    if prologue == "norm":
+        kw["norm_weight"] = (1 + 0.5 * torch.randn((K,), generator=gen, device=device)).to(dtype)
+        kw["eps"] = 1e-5
+    elif prologue == "swiglu":
+        kw["up"] = torch.randn((M, K), generator=gen, device=device).to(dtype)
+    if residual:
+        kw["residual"] = torch.randn((M, Ns[0]), generator=gen, device=device).to(dtype)
+    return x, weights, kw
+
+
+def oracle(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None):
+    """float64, row by row with explicit sums; the op's rounding points applied by casting through
+    x's dtype."""
+    dt = x.dtype
+    rnd = lambda v: v.to(dt).double()  # noqa: E731
+    outs = []
+    for w in weights:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float64)
+        for m in range(x.shape[0]):
+            xm = x[m].double().cpu()
+            if norm_weight is not None:
+                r = 1.0 / float(torch.sqrt((xm * xm).sum() / xm.numel() + eps))
+                xm = rnd(norm_weight.double().cpu() * rnd(xm * r))
+            elif up is not None:
+                xm = rnd(xm / (1 + torch.exp(-xm)) * up[m].double().cpu())
+            y = rnd((w.double().cpu() * xm).sum(-1))
+            if residual is not None:
+                y = rnd(residual[m].double().cpu() + y)
+            out[m] = y
+        outs.append(out)
+    return outs
+
+
+def rel_err(got, want):
+    got, want = got.double().cpu(), want.double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------------------------
+# reference (CPU)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
+@pytest.mark.parametrize("M,K,Ns,residual", [(1, 64, (32,), False), (3, 40, (24, 8), False),
+                                             (5, 128, (16,), True), (2, 96, (8, 16, 24, 32), False)])
+def test_reference_matches_float64_oracle_in_float32(fresh_seed, prologue, M, K, Ns, residual):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, weights, kw = make_case(gen, M, K, Ns, prologue, residual, torch.float32)
+    got = gemv_reference(x, weights, **kw)
+    want = oracle(x, weights, **kw)
+    assert len(got) == len(Ns)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
+def test_reference_in_bfloat16_rounds_where_the_oracle_does(fresh_seed, prologue):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, weights, kw = make_case(gen, 4, 256, (64, 32), prologue)
+    for g, w in zip(gemv_reference(x, weights, **kw), oracle(x, weights, **kw)):
+        # fp32 against fp64 sums may land on either side of a bf16 rounding boundary: a few ulps
+        assert rel_err(g, w) < 8e-3
+
+
+def test_reference_agrees_with_the_models_modules(fresh_seed):
+    """RMSNorm + linear, SwiGLU MLP down projection + residual, as the model writes them (bf16)."""
+    from torch_kdtree.models.kimi_k2.modeling import KimiK2RMSNorm
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, (wq, wk), _ = make_case(gen, 3, 128, (48, 24))
+    norm = KimiK2RMSNorm(128, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn((128,), generator=gen))
+    xn = norm(x)
+    want = [F.linear(xn.float(), w.float()).to(torch.bfloat16) for w in (wq, wk)]
+    got = gemv_reference(x, [wq, wk], norm.weight.detach(), 1e-5)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    g_, u_ = x, torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+    res = torch.randn((3, 48), generator=gen).to(torch.bfloat16)
+    act = (F.silu(g_.float()) * u_.float()).to(torch.bfloat16)
+    want = res + F.linear(act.float(), wq.float()).to(torch.bfloat16)
+    assert torch.equal(gemv_reference(g_, [wq], up=u_, residual=res)[0], want)
+
+
+def test_wrapper_flattens_leading_dimensions(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, weights, kw = make_case(gen, 6, 64, (16,), "norm", True, torch.float32)
+    flat = gemv(x, weights, **kw)[0]
+    kw["residual"] = kw["residual"].view(2, 3, 16)
+    shaped = gemv(x.view(2, 3, 64), weights, **kw)[0]
+    assert shaped.shape == (2, 3, 16) and torch.equal(shaped.reshape(6, 16), flat)
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small():
+    gen = torch.Generator().manual_seed(0)
+    return make_case(gen, 2, 32, (16, 8))
+
+
+def test_bad_dtypes_raise(small):
+    x, (w0, w1), _ = small
+    with pytest.raises(TypeError, match=r"weights\[1\] must be torch.bfloat16"):
+        gemv(x, [w0, w1.float()])
+    with pytest.raises(TypeError, match="norm_weight must be torch.bfloat16"):
+        gemv(x, [w0], torch.ones(32))
+    with pytest.raises(TypeError, match="x must be"):
+        gemv(x.int(), [w0])
+
+
+def test_bad_shapes_raise(small):
+    x, (w0, w1), _ = small
+    with pytest.raises(ValueError, match=r"weights\[0\] must be \[N, K = 32\]"):
+        gemv(x, [w0[:, :16].contiguous()])
+    with pytest.raises(ValueError, match="1 to 4 tensors"):
+        gemv(x, [w0] * 5)
+    with pytest.raises(ValueError, match="1 to 4 tensors"):
+        gemv(x, [])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemv(x[:, :12].contiguous(), [w0[:, :12].contiguous()])
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K = 32\]"):
+        gemv(x, [w0], torch.ones(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="up must be x's shape"):
+        gemv(x, [w0], up=x[:1].contiguous())
+    with pytest.raises(ValueError, match="exclusive"):
+        gemv(x, [w0], torch.ones(32, dtype=torch.bfloat16), up=x)
+    with pytest.raises(ValueError, match="exactly one weight"):
+        gemv(x, [w0, w1], residual=torch.zeros((2, 16), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"residual must be \[M, N\]"):
+        gemv(x, [w0], residual=torch.zeros((2, 8), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x, [w0.t().contiguous().t()])
+    with pytest.raises(ValueError, match="eps must be"):
+        gemv(x, [w0], torch.ones(32, dtype=torch.bfloat16), eps=-1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# opcheck and torch.compile (CPU)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prologue,residual", [(None, False), ("norm", False), ("swiglu", True)])
+def test_opcheck_cpu(prologue, residual):
+    gen = torch.Generator().manual_seed(1)
+    x, weights, kw = make_case(gen, 3, 64, (16,) if residual else (16, 24), prologue, residual)
+    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), kw)
+
+
+def test_compiles_with_fullgraph_on_cpu(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, weights, kw = make_case(gen, 2, 64, (16, 8), "norm")
+    torch._dynamo.reset()
+
+    def step(x):
+        a, b = gemv(x, weights, **kw)
+        return a.float().sum(-1) + b.float().sum(-1)
+
+    want = [o.float().sum(-1) for o in gemv_reference(x, weights, **kw)]
+    assert torch.equal(torch.compile(step, fullgraph=True)(x), want[0] + want[1])
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: the kernel against the reference (fresh random inputs every run)
+# --------------------------------------------------------------------------------------------
+
+CUDA_CASES = [
+    (1, 2048, (1536, 576), "norm", False),    # 2p2b q_a + kv_a with the input norm
+    (4, 1536, (3072,), "norm", False),        # q_b with q_a_layernorm, four rows
+    (1, 2048, (2048,), None, True),           # o_proj + residual
+    (2, 6144, (2048,), "swiglu", True),       # dense MLP down + residual
+    (3, 7168, (1536, 576), "norm", False),    # K2 hidden size
+    (5, 136, (7, 33, 1, 64), None, False),    # M past a block's rows, ragged N, short rows
+    (1, 18432, (256,), "swiglu", False),      # K past one block of rows in shared memory
+    (9, 8, (3,), "norm", True),               # smallest K
+]
+
+
+def cuda_case(seed, M, K, Ns, prologue, residual):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return make_case(gen, M, K, Ns, prologue, residual, device="cuda")
+
+
+@requires_kernel
+@pytest.mark.parametrize("M,K,Ns,prologue,residual", CUDA_CASES)
+def test_cuda_kernel_matches_reference(fresh_seed, M, K, Ns, prologue, residual):
+    x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, residual)
+    got = gemv(x, weights, **kw)
+    want = gemv_reference(x.cpu(), [w.cpu() for w in weights], **{k: v.cpu() if torch.is_tensor(v) else v
+                                                                  for k, v in kw.items()})
+    assert len(got) == len(Ns)
+    for g, w, N in zip(got, want, Ns):
+        assert g.dtype == torch.bfloat16 and g.shape == (M, N)
+        # same rounding points; fp32 sums in another order may cross a bf16 boundary: a few ulps
+        assert rel_err(g, w) < 8e-3
+
+
+@requires_kernel
+def test_cuda_results_are_deterministic(fresh_seed):
+    x, weights, kw = cuda_case(fresh_seed, 4, 1024, (512, 64), "norm", False)
+    first = gemv(x, weights, **kw)
+    for _ in range(3):
+        for a, b in zip(gemv(x, weights, **kw), first):
+            assert torch.equal(a, b)
+
+
+@requires_kernel
+def test_cuda_reads_no_rows_past_its_inputs(fresh_seed):
+    """x and up as the first rows of NaN-filled buffers (M = 5: one full block of rows and one
+    short one): a read of a row past M would turn outputs into NaN."""
+    x, weights, kw = cuda_case(fresh_seed, 5, 264, (40,), "swiglu", True)
+    bigs = [torch.full((8, 264), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    bigs[0][:5], bigs[1][:5] = x, kw["up"]
+    got = gemv(bigs[0][:5], weights, up=bigs[1][:5], residual=kw["residual"])[0]
+    assert torch.isfinite(got.float()).all()
+    want = gemv_reference(x.cpu(), [weights[0].cpu()], up=kw["up"].cpu(), residual=kw["residual"].cpu())[0]
+    assert rel_err(got, want) < 8e-3
+
+
+@requires_kernel
+@pytest.mark.parametrize("prologue,residual", [("norm", False), ("swiglu", True)])
+def test_opcheck_cuda(fresh_seed, prologue, residual):
+    x, weights, kw = cuda_case(fresh_seed, 2, 256, (64,) if residual else (64, 32), prologue, residual)
+    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), kw)
+
+
+@requires_kernel
+def test_cuda_compiles_with_fullgraph(fresh_seed):
+    x, weights, kw = cuda_case(fresh_seed, 2, 512, (128, 64), "norm", False)
+    torch._dynamo.reset()
+
+    def step(x):
+        a, b = gemv(x, weights, **kw)
+        return torch.cat([a, b], -1) * 2
+
+    got = torch.compile(step, fullgraph=True)(x)
+    want = torch.cat(gemv_reference(x.cpu(), [w.cpu() for w in weights], kw["norm_weight"].cpu(), kw["eps"]), -1)
+    assert rel_err(got, want.float() * 2) < 8e-3
+
+
+@requires_kernel
+def test_cuda_graph_replays_with_new_inputs(fresh_seed):
+    x, weights, kw = cuda_case(fresh_seed, 2, 1024, (256,), "norm", True)
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed + 1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv(x, weights, **kw)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, weights, **kw)[0]
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda") * 3)
+        kw["residual"].copy_(torch.randn(kw["residual"].shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = gemv_reference(x.cpu(), [weights[0].cpu()], kw["norm_weight"].cpu(), kw["eps"],
+                              residual=kw["residual"].cpu())[0]
+        assert rel_err(out, want) < 8e-3

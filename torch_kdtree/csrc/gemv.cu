@@ -1,0 +1,324 @@
+// kdtree::gemv: decode-sized linear layers with a fused prologue and epilogue (semantics, rounding
+// points and the reference: torch_kdtree/ops/gemv.py).
+//
+// A few rows x [M, K] against up to four weights W_i [N_i, K] that share the input: bound by
+// reading the weights once, so the work is a GEMV per output row.  One launch:
+//   grid (Σ_i ceil(N_i / 16), ceil(M / rows_per_block)), 8 warps per block, warp = two output rows
+//   n, n + 8 of one weight for the block's rows m.
+//   1. Each lane issues the loads of its first kBatch 16-byte chunks of both rows (streaming, no L1
+//      allocation) before anything else, so the weight bytes are in flight during the prologue.
+//   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
+//      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
+//      bf16(norm_weight · bf16(x · rsqrt(mean + eps)))); or bf16(silu(x) · up) (SwiGLU, x the
+//      gate projection).  Every block recomputes it (a few KB from L2).
+//   3. Main loop: kBatch chunks per lane and row in flight (2 · 8 · 16 bytes per lane: with two
+//      blocks per SM, 128 KB per SM), each x chunk read from shared memory once for both rows, fp32
+//      accumulation per (row, m), one xor-shuffle sum per (row, m).
+//   4. Epilogue: y = bf16(acc); with a residual (one weight only) out = bf16(residual + y).
+// Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
+// (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
+// and sm_120.
+#include "bf16_vec.cuh"
+#include "check.h"
+#include "warp_reduce.cuh"
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace kdtree {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxWeights = 4;
+constexpr int kMaxRows = 4;                 // rows of x per block (accumulators per lane)
+constexpr int kBatch = 8;                   // 16-byte weight chunks per lane and row in flight
+constexpr int kRowsPerWarp = 2;             // output rows per warp, their loads in flight together
+constexpr int kNormPrefetch = 4;            // norm-weight chunks per thread loaded with x (K <= 8192)
+constexpr int kSmemLimit = 96 * 1024;       // the prologue's rows, within sm_120's 99 KB per block
+constexpr int kDefaultSmem = 48 * 1024;
+
+enum Prologue : int { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
+
+struct Segment {
+  const __nv_bfloat16* w;  // [n, K]
+  __nv_bfloat16* out;      // [M, n]
+  int n;
+  int block_begin;         // first blockIdx.x of this weight
+};
+
+struct Params {
+  const __nv_bfloat16* x;         // [M, K]
+  const __nv_bfloat16* aux;       // norm weight [K] (kRmsNorm) or up [M, K] (kSwiGlu)
+  const __nv_bfloat16* residual;  // [M, seg[0].n] or nullptr
+  float eps;
+  int M, K, rows_per_block, prologue, nseg;
+  Segment seg[kMaxWeights];
+};
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float sumsq8(uint4 v, float acc) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc = fmaf(bf16_lo(w[i]), bf16_lo(w[i]), acc);
+    acc = fmaf(bf16_hi(w[i]), bf16_hi(w[i]), acc);
+  }
+  return acc;
+}
+
+// bf16(g · bf16(x · r)) for the 8 values (RMSNorm's rounding points).
+__device__ __forceinline__ uint32_t norm2(uint32_t x, uint32_t g, float r) {
+  return pack_bf16(bf16_lo(g) * round_bf16(bf16_lo(x) * r), bf16_hi(g) * round_bf16(bf16_hi(x) * r));
+}
+__device__ __forceinline__ uint4 norm8(uint4 x, uint4 g, float r) {
+  return make_uint4(norm2(x.x, g.x, r), norm2(x.y, g.y, r), norm2(x.z, g.z, r), norm2(x.w, g.w, r));
+}
+
+// bf16(silu(g) · u) for the 8 values, in fp32.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+__device__ __forceinline__ uint32_t swiglu2(uint32_t g, uint32_t u) {
+  return pack_bf16(silu_mul(bf16_lo(g), bf16_lo(u)), silu_mul(bf16_hi(g), bf16_hi(u)));
+}
+__device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
+  return make_uint4(swiglu2(g.x, u.x), swiglu2(g.y, u.y), swiglu2(g.z, u.z), swiglu2(g.w, u.w));
+}
+
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
+  extern __shared__ uint4 xs[];  // [rows_per_block][K / 8]: the prologue's output
+  __shared__ float partial[kMaxRows][kWarps];
+  __shared__ float rscale[kMaxRows];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  Segment seg = p.seg[0];  // the weight this block works on (selects, no dynamic param indexing)
+#pragma unroll
+  for (int i = 1; i < kMaxWeights; ++i)
+    if (i < p.nseg && int(blockIdx.x) >= p.seg[i].block_begin) seg = p.seg[i];
+  // this warp's output rows: n0 + kWarps · r
+  const int n0 = (int(blockIdx.x) - seg.block_begin) * kWarps * kRowsPerWarp + warp;
+  const int m0 = int(blockIdx.y) * p.rows_per_block;
+  const int rows = min(p.rows_per_block, p.M - m0);
+  const int chunks = p.K >> 3;
+  bool active[kRowsPerWarp];
+  const uint4* wr[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int n = n0 + kWarps * r;
+    active[r] = n < seg.n;
+    wr[r] = reinterpret_cast<const uint4*>(seg.w) + int64_t(active[r] ? n : 0) * chunks;
+  }
+
+  // 1. the first batch of this warp's weight rows, in flight during the prologue
+  uint4 w[kRowsPerWarp][kBatch];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int c = lane + 32 * u;
+      if (active[r] && c < chunks) w[r][u] = ld_stream(wr[r] + c);
+    }
+
+  // 2. prologue: the block's rows of the GEMV input, bf16, into shared memory
+  const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
+  if (p.prologue == kRmsNorm) {
+    // the norm weight's chunks of this thread, loaded with x (not after the reduction)
+    const uint4* g = reinterpret_cast<const uint4*>(p.aux);
+    uint4 gpre[kNormPrefetch];
+#pragma unroll
+    for (int i = 0; i < kNormPrefetch; ++i) {
+      const int c = threadIdx.x + kThreads * i;
+      if (c < chunks) gpre[i] = __ldg(g + c);
+    }
+    float ss[kMaxRows];
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) ss[m] = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m) {
+        if (m < rows) {
+          const uint4 v = __ldg(xg + m * chunks + c);
+          xs[m * chunks + c] = v;
+          ss[m] = sumsq8(v, ss[m]);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      const float t = warp_sum(ss[m]);
+      if (lane == 0) partial[m][warp] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x < kMaxRows) {
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) t += partial[threadIdx.x][i];
+      rscale[threadIdx.x] = rsqrtf(t / float(p.K) + p.eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kNormPrefetch; ++i) {
+      const int c = threadIdx.x + kThreads * i;
+      if (c < chunks) {
+#pragma unroll
+        for (int m = 0; m < kMaxRows; ++m)
+          if (m < rows) xs[m * chunks + c] = norm8(xs[m * chunks + c], gpre[i], rscale[m]);
+      }
+    }
+    for (int c = threadIdx.x + kThreads * kNormPrefetch; c < chunks; c += kThreads) {
+      const uint4 gv = __ldg(g + c);
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m)
+        if (m < rows) xs[m * chunks + c] = norm8(xs[m * chunks + c], gv, rscale[m]);
+    }
+  } else if (p.prologue == kSwiGlu) {
+    const uint4* ug = reinterpret_cast<const uint4*>(p.aux) + int64_t(m0) * chunks;
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m)
+        if (m < rows) xs[m * chunks + c] = swiglu8(__ldg(xg + m * chunks + c), __ldg(ug + m * chunks + c));
+    }
+  } else {
+    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldg(xg + i);
+  }
+  __syncthreads();
+  if (!active[0]) return;  // rows are assigned in order: no row of this warp is in range
+
+  // 3. main loop over batches of kBatch chunks per lane and row; each x chunk read from shared
+  //    memory once for the warp's rows
+  float acc[kRowsPerWarp][kMaxRows];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) acc[r][m] = 0.f;
+  for (int base = 0; base < chunks; base += 32 * kBatch) {
+    if (base > 0) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int c = base + lane + 32 * u;
+          if (active[r] && c < chunks) w[r][u] = ld_stream(wr[r] + c);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int c = base + lane + 32 * u;
+      if (c < chunks) {
+#pragma unroll
+        for (int m = 0; m < kMaxRows; ++m) {
+          if (m < rows) {
+            const uint4 xv = xs[m * chunks + c];
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; ++r) acc[r][m] = dot8(w[r][u], xv, acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+
+  // 4. epilogue
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      const float t = warp_sum(acc[r][m]);
+      if (lane == 0 && active[r] && m < rows) {
+        const int64_t at = int64_t(m0 + m) * seg.n + n0 + kWarps * r;
+        float y = round_bf16(t);
+        if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
+        seg.out[at] = __float2bfloat16(y);
+      }
+    }
+  }
+}
+
+void check_aligned(const at::Tensor& t, const char* op, const char* name) {
+  KD_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name, " must be 16-byte aligned");
+}
+
+std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
+                                  const std::optional<at::Tensor>& norm_weight, double eps,
+                                  const std::optional<at::Tensor>& up, const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "kdtree::gemv";
+  check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t nw = int64_t(weights.size());
+  KD_CHECK(nw >= 1 && nw <= kMaxWeights, op, ": takes 1 to ", kMaxWeights, " weights, got ", nw);
+  KD_CHECK(K >= 8 && K % 8 == 0, op, ": K must be a positive multiple of 8, got ", K);
+  const int64_t rows_per_block = std::min<int64_t>({int64_t(kMaxRows), std::max<int64_t>(M, 1),
+                                                    int64_t(kSmemLimit) / (K * 2)});
+  KD_CHECK(rows_per_block >= 1, op, ": K = ", K, " is too large (at most ", kSmemLimit / 2, ")");
+  KD_CHECK(!(norm_weight.has_value() && up.has_value()), op, ": norm_weight and up are exclusive prologues");
+  check_aligned(x, op, "x");
+  Params p{};
+  p.prologue = kPlain;
+  if (norm_weight.has_value()) {
+    check_cuda_tensor(*norm_weight, op, "norm_weight", at::kBFloat16, 1);
+    KD_CHECK(norm_weight->size(0) == K && norm_weight->device() == x.device(), op, ": norm_weight must be [K = ", K,
+             "] on x's device, got ", norm_weight->sizes());
+    check_aligned(*norm_weight, op, "norm_weight");
+    p.prologue = kRmsNorm;
+    p.aux = reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr());
+  }
+  if (up.has_value()) {
+    check_cuda_tensor(*up, op, "up", at::kBFloat16, 2);
+    KD_CHECK(up->sizes() == x.sizes() && up->device() == x.device(), op, ": up must be x's shape ", x.sizes(),
+             " on x's device, got ", up->sizes());
+    check_aligned(*up, op, "up");
+    p.prologue = kSwiGlu;
+    p.aux = reinterpret_cast<const __nv_bfloat16*>(up->data_ptr());
+  }
+  std::vector<at::Tensor> outs;
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < nw; ++i) {
+    const at::Tensor& w = weights[i];
+    check_cuda_tensor(w, op, "weights[i]", at::kBFloat16, 2);
+    KD_CHECK(w.size(1) == K && w.device() == x.device(), op, ": weights[", i, "] must be [N, K = ", K,
+             "] on x's device, got ", w.sizes());
+    KD_CHECK(w.size(0) < (int64_t(1) << 30), op, ": weights[", i, "] has too many rows");
+    check_aligned(w, op, "weights[i]");
+    outs.push_back(at::empty({M, w.size(0)}, x.options()));
+    p.seg[i] = Segment{reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
+                       reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr()), int(w.size(0)), int(blocks)};
+    blocks += (w.size(0) + kWarps * kRowsPerWarp - 1) / (kWarps * kRowsPerWarp);
+  }
+  if (residual.has_value()) {
+    KD_CHECK(nw == 1, op, ": a residual needs exactly one weight, got ", nw);
+    check_cuda_tensor(*residual, op, "residual", at::kBFloat16, 2);
+    KD_CHECK(residual->size(0) == M && residual->size(1) == weights[0].size(0) && residual->device() == x.device(),
+             op, ": residual must be [M, N] = [", M, ", ", weights[0].size(0), "] on x's device, got ",
+             residual->sizes());
+    p.residual = reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr());
+  }
+  const int64_t grid_y = (M + rows_per_block - 1) / rows_per_block;
+  KD_CHECK(grid_y <= 65535 && blocks < (int64_t(1) << 31), op, ": too many rows (M = ", M, ")");
+  if (M == 0 || blocks == 0) return outs;
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.eps = float(eps);
+  p.M = int(M);
+  p.K = int(K);
+  p.rows_per_block = int(rows_per_block);
+  p.nseg = int(nw);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int smem = int(rows_per_block * K * 2);
+  if (smem + int(sizeof(float)) * (kMaxRows * kWarps + kMaxRows) > kDefaultSmem)  // dynamic + static > 48 KB
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  gemv_kernel<<<dim3(unsigned(blocks), unsigned(grid_y)), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return outs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) { m.impl("gemv", &gemv_cuda); }
+
+}  // namespace kdtree
