@@ -713,6 +713,7 @@ def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monke
     real = moe.rank_topk
     monkeypatch.setattr(moe, "rank_topk", lambda c, k: calls.append(c.shape) or real(c, k))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", False)  # the torch code path (kdtree::moe_route aside)
     torch._dynamo.reset()
     try:
         ids, w = torch.compile(router, backend="aot_eager", fullgraph=True)(x)

@@ -34,6 +34,8 @@ _MOE_GEMV_SLOTS = 32
 # Read once at import (torch_kdtree has loaded its kernels by now), a constant for torch.compile.
 _HAS_MOE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA")
 _HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")
+# The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
+_SHARED_IN_MOE_GEMV = True
 
 
 class KimiK2MLP(nn.Module):
@@ -329,7 +331,8 @@ class KimiK2MoE(nn.Module):
         """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16
         (intermediate size a multiple of 8): the op computes both."""
         shared = self.shared_experts
-        return (self.experts._use_moe_gemv(x, topk_ids) and shared.gate_proj.weight.shape[0] % 8 == 0
+        return (_SHARED_IN_MOE_GEMV and not self.experts.is_int4 and self.experts._use_moe_gemv(x, topk_ids)
+                and shared.gate_proj.weight.shape[0] % 8 == 0
                 and not (shared._forward_hooks or shared._forward_pre_hooks)
                 and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 

@@ -2,19 +2,21 @@
 // points and the reference: torch_kdtree/ops/gemv.py).
 //
 // A few rows x [M, K] against up to four weights W_i [N_i, K] that share the input: bound by
-// reading the weights once, so the work is a GEMV per output row.  One launch:
-//   grid (Σ_i ceil(N_i / 16), ceil(M / rows_per_block)), 8 warps per block, warp = two output rows
-//   n, n + 8 of one weight for the block's rows m.
-//   1. Each lane issues the loads of its first kBatch 16-byte chunks of both rows (streaming, no L1
-//      allocation) before anything else, so the weight bytes are in flight during the prologue.
+// reading the weights once, so the work is a GEMV per output row.  One launch, persistent:
+//   grid (min(ceil(N / 8), the blocks resident on the device), ceil(M / rows_per_block)), 8 warps
+//   per block; output rows 0 .. N-1 run over the concatenated weights, warp w of the grid's W
+//   warps takes rows w, w + W, ... for the block's rows m of x.
+//   1. Each lane issues the loads of its first item (kB 16-byte chunks of its first row;
+//      streaming, no L1 allocation) before anything else, so weight bytes are in flight during
+//      the prologue.
 //   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
 //      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
 //      bf16(norm_weight · bf16(x · rsqrt(mean + eps)))); or bf16(silu(x) · up) (SwiGLU, x the
-//      gate projection).  Every block recomputes it (a few KB from L2).
-//   3. Main loop: kBatch chunks per lane and row in flight (2 · 8 · 16 bytes per lane: with two
-//      blocks per SM, 128 KB per SM), each x chunk read from shared memory once for both rows, fp32
-//      accumulation per (row, m), one xor-shuffle sum per (row, m).
-//   4. Epilogue: y = bf16(acc); with a residual (one weight only) out = bf16(residual + y).
+//      gate projection).
+//   3. Main loop over (row, batch) items: the next item's loads are issued before this item's
+//      FMAs, so every warp keeps two items in flight from start to end (no tail between waves of
+//      blocks); fp32 accumulation per m, one xor-shuffle sum per (row, m) when a row is done.
+//   4. Epilogue per row: y = bf16(acc); with a residual (one weight only) out = bf16(residual + y).
 // Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
 // (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
 // and sm_120.
@@ -28,6 +30,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <vector>
 
@@ -38,8 +42,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxWeights = 4;
 constexpr int kMaxRows = 4;                 // rows of x per block (accumulators per lane)
-constexpr int kBatch = 8;                   // 16-byte weight chunks per lane and row in flight
-constexpr int kRowsPerWarp = 2;             // output rows per warp, their loads in flight together
 constexpr int kNormPrefetch = 4;            // norm-weight chunks per thread loaded with x (K <= 8192)
 constexpr int kSmemLimit = 96 * 1024;       // the prologue's rows, within sm_120's 99 KB per block
 constexpr int kDefaultSmem = 48 * 1024;
@@ -50,7 +52,7 @@ struct Segment {
   const __nv_bfloat16* w;  // [n, K]
   __nv_bfloat16* out;      // [M, n]
   int n;
-  int block_begin;         // first blockIdx.x of this weight
+  int row_begin;           // first row of this weight in the concatenation
 };
 
 struct Params {
@@ -58,7 +60,7 @@ struct Params {
   const __nv_bfloat16* aux;       // norm weight [K] (kRmsNorm) or up [M, K] (kSwiGlu)
   const __nv_bfloat16* residual;  // [M, seg[0].n] or nullptr
   float eps;
-  int M, K, rows_per_block, prologue, nseg;
+  int M, K, rows_per_block, prologue, nseg, rows_total;
   Segment seg[kMaxWeights];
 };
 
@@ -94,40 +96,12 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   return make_uint4(swiglu2(g.x, u.x), swiglu2(g.y, u.y), swiglu2(g.z, u.z), swiglu2(g.w, u.w));
 }
 
-__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
-  extern __shared__ uint4 xs[];  // [rows_per_block][K / 8]: the prologue's output
+// The block's rows of the GEMV input (bf16) into shared memory: x, RMSNorm(x) · norm_weight or
+// silu(x) · up.  Every block computes it (a few KB from L2).
+__device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks) {
   __shared__ float partial[kMaxRows][kWarps];
   __shared__ float rscale[kMaxRows];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  Segment seg = p.seg[0];  // the weight this block works on (selects, no dynamic param indexing)
-#pragma unroll
-  for (int i = 1; i < kMaxWeights; ++i)
-    if (i < p.nseg && int(blockIdx.x) >= p.seg[i].block_begin) seg = p.seg[i];
-  // this warp's output rows: n0 + kWarps · r
-  const int n0 = (int(blockIdx.x) - seg.block_begin) * kWarps * kRowsPerWarp + warp;
-  const int m0 = int(blockIdx.y) * p.rows_per_block;
-  const int rows = min(p.rows_per_block, p.M - m0);
-  const int chunks = p.K >> 3;
-  bool active[kRowsPerWarp];
-  const uint4* wr[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int n = n0 + kWarps * r;
-    active[r] = n < seg.n;
-    wr[r] = reinterpret_cast<const uint4*>(seg.w) + int64_t(active[r] ? n : 0) * chunks;
-  }
-
-  // 1. the first batch of this warp's weight rows, in flight during the prologue
-  uint4 w[kRowsPerWarp][kBatch];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int c = lane + 32 * u;
-      if (active[r] && c < chunks) w[r][u] = ld_stream(wr[r] + c);
-    }
-
-  // 2. prologue: the block's rows of the GEMV input, bf16, into shared memory
   const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
   if (p.prologue == kRmsNorm) {
     // the norm weight's chunks of this thread, loaded with x (not after the reduction)
@@ -190,55 +164,114 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const Params p) {
     for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldg(xg + i);
   }
   __syncthreads();
-  if (!active[0]) return;  // rows are assigned in order: no row of this warp is in range
+}
 
-  // 3. main loop over batches of kBatch chunks per lane and row; each x chunk read from shared
-  //    memory once for the warp's rows
-  float acc[kRowsPerWarp][kMaxRows];
+// Output row rho of the concatenated weights: its segment (selects, no dynamic param indexing).
+__device__ __forceinline__ Segment locate(const Params& p, int rho) {
+  Segment seg = p.seg[0];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
+  for (int i = 1; i < kMaxWeights; ++i)
+    if (i < p.nseg && rho >= p.seg[i].row_begin) seg = p.seg[i];
+  return seg;
+}
+
+template <int kB>
+__device__ __forceinline__ void load_chunks(const Params& p, int rho, int base, int chunks, int lane, uint4 (&buf)[kB]) {
+  const Segment seg = locate(p, rho);
+  const uint4* w = reinterpret_cast<const uint4*>(seg.w) + int64_t(rho - seg.row_begin) * chunks;
 #pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) acc[r][m] = 0.f;
-  for (int base = 0; base < chunks; base += 32 * kBatch) {
-    if (base > 0) {
+  for (int u = 0; u < kB; ++u) {
+    const int c = base + lane + 32 * u;
+    if (c < chunks) buf[u] = ld_stream(w + c);
+  }
+}
+
+// Persistent: warp gw of gridDim.x · 8 takes output rows gw, gw + 8·gridDim.x, ... and walks
+// (row, batch of kB chunks per lane) items with the next item's loads issued before this one's
+// FMAs, so every warp keeps two items of weight bytes in flight from start to end (no waves).
+template <int kB, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params p) {
+  extern __shared__ uint4 xs[];  // [rows_per_block][K / 8]: the prologue's output
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int m0 = int(blockIdx.y) * p.rows_per_block;
+  const int rows = min(p.rows_per_block, p.M - m0);
+  const int chunks = p.K >> 3;
+  const int nb = (chunks + 32 * kB - 1) / (32 * kB);  // batches per row
+  const int stride = int(gridDim.x) * kWarps;
+  int rho = int(blockIdx.x) * kWarps + warp, b = 0;
+
+  uint4 cur[kB];
+  if (rho < p.rows_total) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
+  prologue(p, xs, m0, rows, chunks);
+
+  float acc[kMaxRows];
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int c = base + lane + 32 * u;
-          if (active[r] && c < chunks) w[r][u] = ld_stream(wr[r] + c);
-        }
+  for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
+  while (rho < p.rows_total) {
+    int rho2 = rho, b2 = b + 1;
+    if (b2 == nb) {
+      b2 = 0;
+      rho2 += stride;
     }
+    uint4 nxt[kB];
+    if (rho2 < p.rows_total) load_chunks<kB>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int c = base + lane + 32 * u;
+    for (int u = 0; u < kB; ++u) {
+      const int c = b * 32 * kB + lane + 32 * u;
       if (c < chunks) {
 #pragma unroll
-        for (int m = 0; m < kMaxRows; ++m) {
-          if (m < rows) {
-            const uint4 xv = xs[m * chunks + c];
+        for (int m = 0; m < kMaxRows; ++m)
+          if (m < rows) acc[m] = dot8(cur[u], xs[m * chunks + c], acc[m]);
+      }
+    }
+    if (b == nb - 1) {  // row done: reduce, round, add the residual, store
+      const Segment seg = locate(p, rho);
+      const int n = rho - seg.row_begin;
 #pragma unroll
-            for (int r = 0; r < kRowsPerWarp; ++r) acc[r][m] = dot8(w[r][u], xv, acc[r][m]);
-          }
+      for (int m = 0; m < kMaxRows; ++m) {
+        const float t = warp_sum(acc[m]);
+        acc[m] = 0.f;
+        if (lane == 0 && m < rows) {
+          const int64_t at = int64_t(m0 + m) * seg.n + n;
+          float y = round_bf16(t);
+          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
+          seg.out[at] = __float2bfloat16(y);
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kB; ++u) cur[u] = nxt[u];
+    rho = rho2;
+    b = b2;
   }
+}
 
-  // 4. epilogue
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-#pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) {
-      const float t = warp_sum(acc[r][m]);
-      if (lane == 0 && active[r] && m < rows) {
-        const int64_t at = int64_t(m0 + m) * seg.n + n0 + kWarps * r;
-        float y = round_bf16(t);
-        if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
-        seg.out[at] = __float2bfloat16(y);
+// The two instantiations: 8 chunks per lane per item (2 blocks / SM) or 4 (3 blocks / SM).
+using GemvKernel = void (*)(const Params);
+constexpr GemvKernel kKernels[2] = {gemv_kernel<8, 2>, gemv_kernel<4, 3>};
+
+// Kernel choice and grid size: KDTREE_GEMV_TUNE="variant,grid_factor" (variant 0: 8 chunks per lane
+// per item, 1: 4; grid_factor in quarters of the resident blocks), read once; for A/B runs.  The
+// default, 4 chunks and one grid of resident blocks, was the fastest of (0, 4), (1, 4), (0, 16) and
+// (1, 8) on most of bench_gemv's layers on the H200 (RESULTS.md, run 35).
+struct Tuning {
+  int variant = 1;
+  int grid_factor = 4;
+};
+
+Tuning tuning() {
+  static const Tuning t = [] {
+    Tuning r;
+    if (const char* env = std::getenv("KDTREE_GEMV_TUNE")) {
+      int v = 0, g = 4;
+      if (std::sscanf(env, "%d,%d", &v, &g) == 2 && (v == 0 || v == 1) && g >= 1 && g <= 64) {
+        r.variant = v;
+        r.grid_factor = g;
       }
     }
-  }
+    return r;
+  }();
+  return t;
 }
 
 void check_aligned(const at::Tensor& t, const char* op, const char* name) {
@@ -278,7 +311,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     p.aux = reinterpret_cast<const __nv_bfloat16*>(up->data_ptr());
   }
   std::vector<at::Tensor> outs;
-  int64_t blocks = 0;
+  int64_t rows_total = 0;
   for (int64_t i = 0; i < nw; ++i) {
     const at::Tensor& w = weights[i];
     check_cuda_tensor(w, op, "weights[i]", at::kBFloat16, 2);
@@ -288,8 +321,8 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     check_aligned(w, op, "weights[i]");
     outs.push_back(at::empty({M, w.size(0)}, x.options()));
     p.seg[i] = Segment{reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
-                       reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr()), int(w.size(0)), int(blocks)};
-    blocks += (w.size(0) + kWarps * kRowsPerWarp - 1) / (kWarps * kRowsPerWarp);
+                       reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr()), int(w.size(0)), int(rows_total)};
+    rows_total += w.size(0);
   }
   if (residual.has_value()) {
     KD_CHECK(nw == 1, op, ": a residual needs exactly one weight, got ", nw);
@@ -300,19 +333,30 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     p.residual = reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr());
   }
   const int64_t grid_y = (M + rows_per_block - 1) / rows_per_block;
-  KD_CHECK(grid_y <= 65535 && blocks < (int64_t(1) << 31), op, ": too many rows (M = ", M, ")");
-  if (M == 0 || blocks == 0) return outs;
+  KD_CHECK(grid_y <= 65535 && rows_total < (int64_t(1) << 30), op, ": too many rows (M = ", M, ", N = ", rows_total,
+           ")");
+  if (M == 0 || rows_total == 0) return outs;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.eps = float(eps);
   p.M = int(M);
   p.K = int(K);
   p.rows_per_block = int(rows_per_block);
   p.nseg = int(nw);
+  p.rows_total = int(rows_total);
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
+  const Tuning tune = tuning();
+  const GemvKernel kernel = kKernels[tune.variant];
   if (smem + int(sizeof(float)) * (kMaxRows * kWarps + kMaxRows) > kDefaultSmem)  // dynamic + static > 48 KB
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  gemv_kernel<<<dim3(unsigned(blocks), unsigned(grid_y)), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // persistent grid: the blocks that fit on the device at once (times the tuning's factor), or
+  // fewer when there are fewer rows than warps
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
+  const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident);
+  kernel<<<dim3(unsigned(blocks), unsigned(grid_y)), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return outs;
 }
