@@ -786,6 +786,13 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     model(torch.zeros(5, 1, dtype=torch.long), cache5.lengths.long()[:, None], cache5,
           torch.ones(5, 1, 1, dtype=torch.bool))
     assert calls == []
+    # a hooked attention or MLP module (a parallelism wrapper expecting forward(x)) keeps module calls
+    handles = [model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: None),
+               model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: None)]
+    model(tokens[:, :1], fused_cache.lengths.long()[:, None], fused_cache, visible)
+    for hd in handles:
+        hd.remove()
+    assert calls == layer1
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -171,7 +171,8 @@ class KimiK2Attention(nn.Module):
         layer's input ``norm`` inside the q_a / kv_a (or q / kv_a) projections' kernel, q_a_layernorm
         inside q_b's, the residual add inside o_proj's (``kdtree::gemv``, :func:`use_fused`)."""
         projections = (self.q_proj,) if hasattr(self, "q_proj") else (self.q_a_proj, self.q_a_layernorm, self.q_b_proj)
-        return use_fused(h, norm, self.kv_a_proj_with_mqa, self.o_proj, *projections)
+        hooked = self._forward_hooks or self._forward_pre_hooks  # a wrapper expecting normalised input
+        return not hooked and use_fused(h, norm, self.kv_a_proj_with_mqa, self.o_proj, *projections)
 
     def _project(self, x, cos, sin, norm=None):
         """x [R, T, H] -> q_nope [R, T, h, 128], rotated q_rope [R, T, h, 64], and the cache

@@ -48,8 +48,10 @@ class KimiK2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def fused_ok(self, x: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether ``forward(x, norm, residual)`` takes the two-launch ``kdtree::gemv`` path."""
-        return use_fused(x, norm, self.gate_proj, self.up_proj, self.down_proj)
+        """Whether ``forward(x, norm, residual)`` takes the two-launch ``kdtree::gemv`` path (the
+        module itself unhooked: a wrapper would expect ``forward(x)``)."""
+        hooked = self._forward_hooks or self._forward_pre_hooks
+        return not hooked and use_fused(x, norm, self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
