@@ -724,6 +724,17 @@ def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monke
     torch.testing.assert_close(w, want_w)
 
 
+def call_maybe_compiled(fn, compiled: bool, *args):
+    """fn(*args), eagerly or through torch.compile(fullgraph=True) (aot_eager: traced, no codegen)."""
+    if not compiled:
+        return fn(*args)
+    torch._dynamo.reset()
+    try:
+        return torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     """On CUDA (forced here; the op's CPU kernel runs) a bf16 decode pass of <= 4 rows computes each
@@ -815,14 +826,7 @@ def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeyp
     monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append(len(a)) or real(*a))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    fn = block
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(block, backend="aot_eager", fullgraph=True)
-    try:
-        got = fn(x)
-    finally:
-        torch._dynamo.reset()
+    got = call_maybe_compiled(block, compiled, x)
     assert calls == [9]  # x, three expert stacks, ids, weights and the three shared weights
     assert rel_err(got.float(), want.float()) <= 2e-2
 
@@ -847,14 +851,7 @@ def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
     monkeypatch.setattr(moe, "moe_route", lambda *a: calls.append(a[2:]) or real(*a))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)
-    fn = router
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(router, backend="aot_eager", fullgraph=True)
-    try:
-        ids, w = fn(x)
-    finally:
-        torch._dynamo.reset()
+    ids, w = call_maybe_compiled(router, compiled, x)
     assert calls == [(8, 4, 2, True, 2.5)]
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w)

@@ -30,6 +30,15 @@ constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopk = 32;
 constexpr int kMaxGroups = 64;
 
+// Entries of v[0 .. n) that beat v[i]: larger, or equal at a lower index (a total order, so ranks
+// are distinct).
+__device__ __forceinline__ int rank_of(const float* v, int n, int i) {
+  const float mine = v[i];
+  int rank = 0;
+  for (int j = 0; j < n; ++j) rank += (v[j] > mine) || (v[j] == mine && j < i);
+  return rank;
+}
+
 __global__ void __launch_bounds__(kMaxExperts)
 moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, int n_group,
                  int topk_group, bool renormalize, float scaling, int32_t* __restrict__ ids,
@@ -63,26 +72,13 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
       group_score[e] = a + b;
     }
     __syncthreads();
-    if (e < n_group) {
-      const float mine = group_score[e];
-      int rank = 0;
-      for (int g = 0; g < n_group; ++g) {
-        const float v = group_score[g];
-        rank += (v > mine) || (v == mine && g < e);
-      }
-      keep[e] = rank < topk_group;
-    }
+    if (e < n_group) keep[e] = rank_of(group_score, n_group, e) < topk_group;
     __syncthreads();
     if (e < E && !keep[e / gsize]) choice[e] = -INFINITY;
     __syncthreads();
   }
   if (e < E) {
-    const float mine = choice[e];
-    int rank = 0;
-    for (int j = 0; j < E; ++j) {
-      const float v = choice[j];
-      rank += (v > mine) || (v == mine && j < e);
-    }
+    const int rank = rank_of(choice, E, e);
     if (rank < k) sel_id[rank] = e;
   }
   __syncthreads();
