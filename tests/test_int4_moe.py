@@ -602,9 +602,104 @@ def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_see
     w = cuda_weights(gen, 24, 512, 128)
     x = torch.randn((21, 512), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, 21, 8, 24)
-    monkeypatch.setenv("KDTREE_MOE_PDL", "0")
+    monkeypatch.setenv("KDTREE_PDL", "0")
     a = run_out_poisoned(x, w, ids, tw, k_splits=4)
-    monkeypatch.setenv("KDTREE_MOE_PDL", "1")
+    monkeypatch.setenv("KDTREE_PDL", "1")
     b = run_out_poisoned(x, w, ids, tw, k_splits=4)
     assert torch.equal(a, b)
     check_against_reference(x, w, ids, tw)
+
+
+# --------------------------------------------------------------------------------------------
+# the decode path (T · k <= 32: two GEMV launches, csrc/moe_decode.cu)
+# --------------------------------------------------------------------------------------------
+
+def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
+    """(decode path, grouped-GEMM path) outputs of the same call, each checked against the reference."""
+    monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
+    dec, ref = check_against_reference(x, w, ids, tw, expert_map)
+    monkeypatch.setenv("KDTREE_INT4_DECODE", "0")
+    gemm, _ = check_against_reference(x, w, ids, tw, expert_map)
+    monkeypatch.delenv("KDTREE_INT4_DECODE")
+    return dec, gemm, ref
+
+
+@requires_cuda
+@pytest.mark.parametrize("E,H,I,T,k,group", [
+    (8, 256, 128, 1, 1, 32),
+    (384, 7168, 256, 1, 8, 32),    # a K2 TP-8 rank, one token
+    (384, 7168, 256, 4, 8, 32),    # four tokens: 32 slots, the largest decode call
+    (24, 1024, 512, 2, 16, 64),    # k = 16, group 64
+    (16, 512, 192, 3, 6, 64),      # I / 64 odd
+    (16, 640, 256, 2, 4, 128),     # group 128, H / 64 odd
+])
+def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, monkeypatch, E, H, I, T, k, group):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, E, H, I, group)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    for id_t in (ids, ids.long()):
+        dec, gemm, ref = run_both_paths(monkeypatch, x, w, id_t, tw)
+        # both paths round the dequantised weights and the activations to bf16 the same way;
+        # only their fp32 summation orders differ
+        assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
+
+
+@requires_cuda
+def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    E_global, E, T, k = 48, 16, 3, 8
+    w = cuda_weights(gen, E, 512, 128)
+    local = torch.randperm(E_global, generator=gen, device="cuda")[:E]
+    emap = torch.full((E_global,), -1, dtype=torch.int32, device="cuda")
+    emap[local] = torch.arange(E, dtype=torch.int32, device="cuda")
+    x = torch.randn((T, 512), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E_global)
+    ids[0] = torch.nonzero(emap < 0).flatten()[:k].to(torch.int32)  # token 0: no expert on this rank
+    dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw, expert_map=emap)
+    assert torch.equal(dec[0], torch.zeros_like(dec[0]))
+    assert rel_err(dec, gemm) <= 4e-3
+
+
+@requires_cuda
+def test_cuda_decode_path_graph_replays_with_new_routings(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    E, H, I, T, k = 64, 1024, 256, 2, 8
+    w = cuda_weights(gen, E, H, I)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    out = torch.full_like(x, float("nan"))
+    ws = int4_moe_workspace(T, k, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        int4_moe_out(x, w, ids, tw, out, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        int4_moe_out(x, w, ids, tw, out, ws)
+    for _ in range(3):
+        new_ids, new_tw = cuda_routing(gen, T, k, E)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        x.copy_(torch.randn((T, H), generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32)
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) <= 1e-2
+
+
+@requires_cuda
+def test_cuda_decode_path_same_bits_with_and_without_pdl_and_deterministic(fresh_seed, monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 64, 2048, 256)
+    x = torch.randn((2, 2048), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 2, 8, 64)
+    monkeypatch.setenv("KDTREE_PDL", "0")
+    a = run_out_poisoned(x, w, ids, tw)
+    monkeypatch.setenv("KDTREE_PDL", "1")
+    b = run_out_poisoned(x, w, ids, tw)
+    c = run_out_poisoned(x, w, ids, tw)
+    assert torch.equal(a, b) and torch.equal(b, c)

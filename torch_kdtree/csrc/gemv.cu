@@ -6,6 +6,8 @@
 //   grid (min(ceil(N / 8), the blocks resident on the device), ceil(M / rows_per_block)), 8 warps
 //   per block; output rows 0 .. N-1 run over the concatenated weights, warp w of the grid's W
 //   warps takes rows w, w + W, ... for the block's rows m of x.
+//   0. Launched with programmatic dependent launch (pdl.cuh): before waiting for the previous
+//      kernel, each warp prefetches its first weight row into L2.
 //   1. Each lane issues the loads of its first item (kB 16-byte chunks of its first row;
 //      streaming, no L1 allocation) before anything else, so weight bytes are in flight during
 //      the prologue.
@@ -22,6 +24,7 @@
 // and sm_120.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "pdl.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -119,7 +122,7 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
 #pragma unroll
       for (int m = 0; m < kMaxRows; ++m) {
         if (m < rows) {
-          const uint4 v = __ldg(xg + m * chunks + c);
+          const uint4 v = __ldcg(xg + m * chunks + c);
           xs[m * chunks + c] = v;
           ss[m] = sumsq8(v, ss[m]);
         }
@@ -158,10 +161,10 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
 #pragma unroll
       for (int m = 0; m < kMaxRows; ++m)
-        if (m < rows) xs[m * chunks + c] = swiglu8(__ldg(xg + m * chunks + c), __ldg(ug + m * chunks + c));
+        if (m < rows) xs[m * chunks + c] = swiglu8(__ldcg(xg + m * chunks + c), __ldcg(ug + m * chunks + c));
     }
   } else {
-    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldg(xg + i);
+    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldcg(xg + i);
   }
   __syncthreads();
 }
@@ -200,6 +203,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   const int stride = int(gridDim.x) * kWarps;
   int rho = int(blockIdx.x) * kWarps + warp, b = 0;
 
+  // Before the predecessor is done (PDL): this warp's first row into L2, nothing else.
+  if (rho < p.rows_total) {
+    const Segment seg = locate(p, rho);
+    l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+
   uint4 cur[kB];
   if (rho < p.rows_total) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue(p, xs, m0, rows, chunks);
@@ -234,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
         if (lane == 0 && m < rows) {
           const int64_t at = int64_t(m0 + m) * seg.n + n;
           float y = round_bf16(t);
-          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
+          if (p.residual != nullptr) y += __bfloat162float(__ldcg(p.residual + at));
           seg.out[at] = __float2bfloat16(y);
         }
       }
@@ -356,8 +367,8 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
   const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident);
-  kernel<<<dim3(unsigned(blocks), unsigned(grid_y)), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem),
+                at::cuda::getCurrentCUDAStream(), pdl_enabled(), p);
   return outs;
 }
 

@@ -37,6 +37,7 @@
 // added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "check.h"
+#include "pdl.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -437,6 +438,8 @@ constexpr int kSm120SmemPerBlock = 101376;
 template <int MT, int RG, int BN, int STAGES>
 __global__ void __launch_bounds__(Tile<MT, RG, BN, STAGES>::kThreads, RG == 1 ? 2 : 1)
 mla_tree_attention_kernel(const Params p) {
+  pdl_wait();  // programmatic dependent launch (pdl.cuh): the query and the cache come from earlier kernels
+  pdl_launch_dependents();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   // The host launches a tile only where the device's opt-in shared memory holds it, so tiles
   // larger than sm_120's 99 KB are never compiled for it.
@@ -463,6 +466,8 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
   float* wts = combine_smem;
   float4* part = reinterpret_cast<float4*>(combine_smem + ((splits + 3) & ~3));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  pdl_wait();  // the partials come from the attention kernel
+  pdl_launch_dependents();
   const int rr = blockIdx.x;  // (request, row)
   if (rr >= R * M) return;
   const int r = rr / M, row = rr - r * M;
@@ -538,8 +543,7 @@ void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t strea
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       int(cudaSharedmemCarveoutMaxShared)));
   const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
-  kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, dim3(T::kThreads), size_t(T::kSmem), stream, pdl_enabled(), p);
 }
 
 // Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
@@ -651,9 +655,9 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
     launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
   if (splits > 1) {
     const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked above)
-    mla_combine_kernel<<<blocks, kCombineWarps * 32, combine_smem_bytes(splits), stream>>>(p.o_part, p.lse_part, int(R),
-                                                                                         int(M), splits, p.out, p.lse);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(mla_combine_kernel, blocks, dim3(kCombineWarps * 32), size_t(combine_smem_bytes(splits)), stream,
+                  pdl_enabled(), static_cast<const float*>(p.o_part), static_cast<const float*>(p.lse_part), int(R),
+                  int(M), splits, p.out, p.lse);
   }
 }
 

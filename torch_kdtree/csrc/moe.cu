@@ -21,10 +21,16 @@
 //      weight and writes one bf16 row per (token, k) entry.
 //   4. combine: out[t] = sum_j y[t, j] in fixed order j = 0..k-1 (fp32), skipping entries
 //      whose expert is not on this rank.  No float atomics anywhere.
+// Decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for two GEMV launches
+// (moe_decode.cu) with the same numerics.  Launches after the first use programmatic dependent
+// launch (pdl.cuh).
 // Bounds: decode sizes stream the touched experts' weights (0.5 byte per weight + 1/16 for the
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
 // No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB).
 #include "check.h"
+#include "int4_mma.cuh"
+#include "moe_decode.h"
+#include "pdl.cuh"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -34,6 +40,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace kdtree {
 namespace {
@@ -77,71 +84,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 }
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Programmatic dependent launch (sm_90+, so both targets): a kernel launched with the PDL
-// attribute may start while its predecessor finishes; wait() blocks until the predecessor grid
-// has completed and its writes are visible, launch_dependents() lets the successor start.
-// Both are no-ops for a normal launch.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-template <int kLut>
-__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm volatile("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(kLut));
-  return r;
-}
-
-__device__ __forceinline__ bf162 as_bf162(uint32_t v) {
-  union { uint32_t u; bf162 h; } x;
-  x.u = v;
-  return x.h;
-}
-__device__ __forceinline__ uint32_t as_u32(bf162 h) {
-  union { uint32_t u; bf162 h; } x;
-  x.h = h;
-  return x.u;
-}
-
-// One lane's A fragment of a 16x16 weight tile from its int32 (nibble slot j at bits 4j):
-// register i = slots (i, i + 4) = lop3 of q >> 4i; scale pair = (scale of row g, row g + 8).
-__device__ __forceinline__ void dequant_a(uint32_t q, uint32_t scale_pair, uint32_t (&a)[4]) {
-  constexpr uint32_t kMask = 0x000f000fu;
-  constexpr uint32_t kExp = 0x43004300u;  // bf16x2 (128, 128)
-  const bf162 k136 = as_bf162(0x43084308u);  // bf16x2 (136, 136): 128 + stored (q + 8) - 136 = q
-  const bf162 sp = as_bf162(scale_pair);
-  const bf162 s_lo = __low2bfloat162(sp);    // rows g      (registers 0 and 2)
-  const bf162 s_hi = __high2bfloat162(sp);   // rows g + 8  (registers 1 and 3)
-  // (a & b) | c with a = 0xF0, b = 0xCC, c = 0xAA -> 0xEA
-  a[0] = as_u32(__hmul2(__hsub2(as_bf162(lop3<0xEA>(q, kMask, kExp)), k136), s_lo));
-  a[1] = as_u32(__hmul2(__hsub2(as_bf162(lop3<0xEA>(q >> 4, kMask, kExp)), k136), s_hi));
-  a[2] = as_u32(__hmul2(__hsub2(as_bf162(lop3<0xEA>(q >> 8, kMask, kExp)), k136), s_lo));
-  a[3] = as_u32(__hmul2(__hsub2(as_bf162(lop3<0xEA>(q >> 12, kMask, kExp)), k136), s_hi));
-}
-
-template <typename IdT>
-__device__ __forceinline__ int local_expert(const IdT* ids, int64_t i, const int32_t* emap, int num_global, int E) {
-  const int64_t id = static_cast<int64_t>(ids[i]);
-  if (id < 0 || id >= num_global) return -1;
-  const int e = emap != nullptr ? emap[id] : static_cast<int>(id);
-  return (e >= 0 && e < E) ? e : -1;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -631,28 +573,6 @@ std::tuple<at::Tensor, at::Tensor> int4_repack_cuda(const at::Tensor& packed, co
   return {qweight, scales};
 }
 
-// KDTREE_MOE_PDL=0 turns programmatic dependent launch off (read per call, for A/B timing).
-bool pdl_enabled() {
-  const char* v = std::getenv("KDTREE_MOE_PDL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-            Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
-}
-
 template <int TB, int GS>
 void launch_gemms(GemmArgs up, GemmArgs down, int64_t n1, int64_t n2, int64_t max_blocks, int64_t k_splits,
                   cudaStream_t stream, bool pdl) {
@@ -663,8 +583,8 @@ void launch_gemms(GemmArgs up, GemmArgs down, int64_t n1, int64_t n2, int64_t ma
     C10_CUDA_CHECK(cudaFuncSetAttribute(k_up, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     C10_CUDA_CHECK(cudaFuncSetAttribute(k_down, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
   }
-  launch(k_up, dim3(unsigned(n1 * k_splits), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, up);
-  launch(k_down, dim3(unsigned(n2), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, down);
+  launch_kernel(k_up, dim3(unsigned(n1 * k_splits), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, up);
+  launch_kernel(k_down, dim3(unsigned(n2), unsigned(max_blocks)), dim3(kThreads), S::kBytes, stream, pdl, down);
 }
 
 template <int TB>
@@ -751,6 +671,28 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   const IdT* ids = topk_ids.data_ptr<IdT>();
   const int64_t n1 = 2 * d.I / kCtaN, n2 = d.H / kCtaN;
   const bool pdl = pdl_enabled();
+  if (int4_decode_applies(d.T, d.topk, d.I)) {  // a few slots: two GEMV launches (moe_decode.cu)
+    Int4DecodeArgs a{};
+    a.x = reinterpret_cast<const bf16*>(x.data_ptr());
+    a.w13q = reinterpret_cast<const uint4*>(w13_q.data_ptr<int32_t>());
+    a.w13s = reinterpret_cast<const bf16*>(w13_s.data_ptr());
+    a.w2q = reinterpret_cast<const uint4*>(w2_q.data_ptr<int32_t>());
+    a.w2s = reinterpret_cast<const bf16*>(w2_s.data_ptr());
+    a.topk_ids = ids;
+    a.topk_weights = topk_weights.data_ptr<float>();
+    a.emap = emap;
+    a.T = d.T;
+    a.topk = d.topk;
+    a.H = d.H;
+    a.I = d.I;
+    a.E = d.E;
+    a.num_global = d.num_global;
+    a.group_size = group_size;
+    a.act = reinterpret_cast<bf16*>(ws + w.act);
+    a.out = reinterpret_cast<bf16*>(out.data_ptr());
+    int4_moe_decode(a, std::is_same_v<IdT, int64_t>);
+    return;
+  }
 
   moe_align_kernel<IdT><<<1, kAlignThreads, 0, stream>>>(
       ids, emap, int(d.num_global), int(w.M), int(d.E), int(block_size), int(w.B),
@@ -793,7 +735,7 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
 
   const int64_t n = d.T * (d.H / 8);
   const int blocks = int(std::min<int64_t>((n + 255) / 256, 65536));
-  launch(&moe_combine_kernel<IdT>, dim3(blocks), dim3(256), 0, stream, pdl, reinterpret_cast<const bf16*>(ws + w.y),
+  launch_kernel(&moe_combine_kernel<IdT>, dim3(blocks), dim3(256), 0, stream, pdl, reinterpret_cast<const bf16*>(ws + w.y),
          ids, emap, int(d.num_global), int(d.E), d.T, int(d.topk), int(d.H), reinterpret_cast<bf16*>(out.data_ptr()));
 }
 

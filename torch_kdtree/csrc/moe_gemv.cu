@@ -12,11 +12,14 @@
 //      w_j · (its chunks of down row h of expert e_j · act[slot j]) over the slots, four slots'
 //      rows in flight at a time (the shared expert's first chunks loaded up front), then one
 //      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32.
+// Both launches use programmatic dependent launch (pdl.cuh): before its wait, gate/up prefetches the
+// shared expert's rows into L2 and down the rows its token's experts will need.
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "pdl.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -69,8 +72,15 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   const int t = is_shared ? slot - T * k : slot / k;
   const int rows = is_shared ? Is : I;
   const int i = blockIdx.x * kWarps + warp;
+  // Before the predecessor (the router) is done: only the shared expert's rows into L2.
+  if (is_shared && i < rows) {
+    l2_prefetch_range(shared_gate + int64_t(i) * H, int64_t(H) * 2, lane);
+    l2_prefetch_range(shared_up + int64_t(i) * H, int64_t(H) * 2, lane);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   if (i >= rows) return;
-  const int e = is_shared ? 0 : ids[slot];
+  const int e = is_shared ? 0 : __ldcg(ids + slot);
   float g = 0.f, u = 0.f;
   if (is_shared || (e >= 0 && e < E)) {
     const int chunks = H / 8;
@@ -98,6 +108,17 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
                 const __nv_bfloat16* __restrict__ shared_down, int Is, int T, __nv_bfloat16* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
+  // Before gate/up is done: the ids (two kernels back, complete once gate/up let this grid
+  // launch; read through L2) and this warp's down rows into L2.
+  if (h < H) {
+    for (int j = 0; j < k; ++j) {
+      const int e = __ldcg(ids + t * k + j);
+      if (e >= 0 && e < E) l2_prefetch_range(down + (int64_t(e) * H + h) * I, int64_t(I) * 2, lane);
+    }
+    if (shared_down != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   if (h >= H) return;
   const int chunks = I / 8;
   float acc = 0.f;
@@ -116,7 +137,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
       const int c = lane + 32 * q;
       if (c < schunks) {
         sw[q] = ld_stream(sr + c);
-        sa[q] = __ldg(sar + c);
+        sa[q] = __ldcg(sar + c);
       }
     }
   }
@@ -128,9 +149,9 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSlotBatch; ++q) {
       const int j = j0 + q, slot = t * k + j;
-      const int e = j < k ? ids[slot] : -1;
+      const int e = j < k ? __ldcg(ids + slot) : -1;
       ok[q] = e >= 0 && e < E;
-      wj[q] = ok[q] ? weights[slot] : 0.f;
+      wj[q] = ok[q] ? __ldcg(weights + slot) : 0.f;
       wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + h) * I);
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
@@ -143,7 +164,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
         if (ok[q]) wv[q] = ld_stream(wr[q] + c);
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
-        if (ok[q]) av[q] = __ldg(ar[q] + c);
+        if (ok[q]) av[q] = __ldcg(ar[q] + c);
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
         if (ok[q]) d[q] = dot8(wv[q], av[q], d[q]);
@@ -155,7 +176,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSharedBatch; ++q)
       if (lane + 32 * q < schunks) sd = dot8(sw[q], sa[q], sd);
-    for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldg(sar + c), sd);
+    for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldcg(sar + c), sd);
     acc += sd;
   }
   acc = warp_sum(acc);
@@ -223,15 +244,15 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
-  moe_gate_up_kernel<<<dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
-                       kThreads, 0, stream>>>(
-      xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()),
-      idp, int(k), int(E), int(H), int(I), sg, su, int(Is), int(T), actp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  moe_down_kernel<<<dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), kThreads, 0, stream>>>(
-      actp, reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp, topk_weights.data_ptr<float>(), int(k),
-      int(E), int(H), int(I), sdp, int(Is), int(T), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool pdl = pdl_enabled();
+  launch_kernel(moe_gate_up_kernel, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
+                dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
+                reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
+                int(Is), int(T), actp);
+  launch_kernel(moe_down_kernel, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), dim3(kThreads), 0, stream, pdl,
+                static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
+                topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
+                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   return out;
 }
 

@@ -13,6 +13,7 @@
 // Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
 // same code runs on sm_90 and sm_120.
 #include "check.h"
+#include "pdl.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -48,6 +49,8 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
   __shared__ float group_score[kMaxGroups];
   __shared__ bool keep[kMaxGroups];
   __shared__ int sel_id[kMaxTopk];
+  pdl_wait();  // programmatic dependent launch (pdl.cuh): the logits come from the previous kernel
+  pdl_launch_dependents();
   const int t = blockIdx.x, e = threadIdx.x;
   if (e < E) {
     const float s = 1.f / (1.f + expf(-logits[int64_t(t) * E + e]));
@@ -117,10 +120,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   if (T == 0) return {ids, weights};
   const c10::cuda::CUDAGuard guard(logits.device());
   const int threads = int((std::max<int64_t>(E, n_group) + 31) / 32 * 32);
-  moe_route_kernel<<<unsigned(T), threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group), int(topk_group),
-      renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(moe_route_kernel, dim3(unsigned(T)), dim3(unsigned(threads)), 0, at::cuda::getCurrentCUDAStream(),
+                pdl_enabled(), logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group),
+                int(topk_group), renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>());
   return {ids, weights};
 }
 

@@ -21,8 +21,11 @@ Kernel layout (the same on every device, so repacked weights may be moved or sav
   warp holds both halves of SiLU(gate) * up in its registers.
 
 The CPU kernels are the pure-torch references below; the CUDA kernels live in csrc/moe.cu
-(four launches per call: align, gate/up GEMM, down GEMM, combine; chained with programmatic
-dependent launch unless the environment sets ``KDTREE_MOE_PDL=0``).
+(four launches per call: align, gate/up GEMM, down GEMM, combine) and, for decode-sized calls
+(T · k <= 32 and k · I · 2 bytes <= 32 KB, chosen from shapes only), csrc/moe_decode.cu (two
+GEMV launches that read each touched expert once; ``KDTREE_INT4_DECODE=0`` turns them off).
+Both paths chain their launches with programmatic dependent launch unless the environment sets
+``KDTREE_PDL=0``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,220 @@
+// int4_moe's decode path: for a handful of (token, expert) slots (T·k <= kInt4DecodeMaxSlots)
+// the grouped GEMMs of moe.cu (align, gate/up, down, combine: four launches with a sort and a
+// padded expert block each) have nothing to share between tokens, so two GEMV launches read
+// every touched expert's weights once instead.  Same inputs, layout (ops/moe.py), workspace
+// (its act region) and numerics (bf16 dequantisation q · scale as in dequant_a, fp32 tensor-core
+// accumulation, bf16 activations, the top-k terms summed in order j = 0..k-1 in fp32).
+//
+//   1. gate/up: grid (I / 16, T·k), 8 warps.  Block = one slot and one 16-channel tile pair (gate
+//      tile 2i and up tile 2i + 1 of w13); warp w takes the k64 tiles w, w + 8, ... of H, four in
+//      flight per lane (one 16-byte load per tile and lane: exactly its A fragments of four
+//      mma.m16n8k16 steps), with x as the B operand in all eight columns.  A fixed-order sum of
+//      the eight warps' partials in shared memory, then act[slot, 16 i + r] = bf16(silu(g) · u).
+//   2. down: grid (ceil(H / 128), T), 8 warps.  Warp = one 16-channel tile of out for one token:
+//      all of its k slots' tiles (k · I / 64 16-byte loads per lane, eight in flight), B = the
+//      slot's activations staged in shared memory; per k64 tile the fp32 partial times the router
+//      weight is added to the output accumulator, in slot order.
+// Programmatic dependent launch (pdl.cuh): down reads the routing (two kernels back) before its
+// wait and prefetches all of its weight tiles into L2 while gate/up runs.
+#include "moe_decode.h"
+
+#include "bf16_vec.cuh"
+#include "int4_mma.cuh"
+#include "pdl.cuh"
+#include <ATen/cuda/CUDAContext.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace kdtree {
+namespace {
+
+constexpr int kDecWarps = 8;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kUpInFlight = 4;    // gate/up: k64 tiles per lane in flight (x2: gate and up)
+constexpr int kDownInFlight = 8;  // down: (slot, k64 tile) items per lane in flight
+constexpr int kMaxTopk = 16;
+
+template <typename IdT>
+__device__ __forceinline__ int local_expert_l2(const IdT* ids, int64_t i, const int32_t* emap, int num_global, int E) {
+  const int64_t id = static_cast<int64_t>(__ldcg(ids + i));
+  if (id < 0 || id >= num_global) return -1;
+  const int e = emap != nullptr ? __ldcg(emap + id) : static_cast<int>(id);
+  return (e >= 0 && e < E) ? e : -1;
+}
+
+// Four k16 steps of one 16x64 weight tile (q: this lane's 16 bytes of it) against B, the tile's
+// 64 activations (bf16 pairs load_b(w) = word w of the tile), into acc.  scale_row: this lane's
+// scale pairs of the tile's channels, group i at word 8 i (group size 1 << gs_shift).
+template <typename LoadB>
+__device__ __forceinline__ void tile_mma(const uint4& q, const uint32_t* __restrict__ scale_row, int c, int gs_shift,
+                                         LoadB load_b, float (&acc)[4]) {
+  const uint32_t qs[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t sp = __ldg(scale_row + ((64 * c + 16 * s) >> gs_shift) * 8);
+    uint32_t a[4];
+    dequant_a(qs[s], sp, a);
+    const uint32_t b[2] = {load_b(8 * s), load_b(8 * s + 4)};
+    mma_bf16(acc, a, b);
+  }
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(kDecThreads)
+int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
+                      const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
+                      int I, int gs_shift, int topk, bf16* __restrict__ act) {
+  __shared__ float red[kDecWarps][2][16];
+  pdl_wait();  // the routing and x come from earlier kernels
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tp = blockIdx.x, slot = blockIdx.y;
+  const int e = local_expert_l2(ids, slot, emap, num_global, E);
+  float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
+  if (e >= 0) {
+    const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
+    const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32 + lane;  // tile (e, 2 tp, c) at + 32 c
+    const uint4* wu = wg + int64_t(KC) * 32;
+    const uint32_t* sg = reinterpret_cast<const uint32_t*>(w13s + (int64_t(e) * MT + 2 * tp) * G * 16) + g;
+    const uint32_t* su = sg + int64_t(G) * 8;
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + int64_t(slot / topk) * H) + t;
+    for (int c0 = warp; c0 < KC; c0 += kDecWarps * kUpInFlight) {
+      uint4 qg[kUpInFlight], qu[kUpInFlight];
+#pragma unroll
+      for (int u = 0; u < kUpInFlight; ++u) {
+        const int c = c0 + kDecWarps * u;
+        if (c < KC) {
+          qg[u] = ld_stream(wg + 32 * c);
+          qu[u] = ld_stream(wu + 32 * c);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUpInFlight; ++u) {
+        const int c = c0 + kDecWarps * u;
+        if (c < KC) {
+          const uint32_t* xc = xw + 32 * c;
+          auto load_b = [&](int w) { return __ldg(xc + w); };
+          tile_mma(qg[u], sg, c, gs_shift, load_b, cg);
+          tile_mma(qu[u], su, c, gs_shift, load_b, cu);
+        }
+      }
+    }
+  }
+  // every column of C holds the same dot products: lanes t == 0 hold rows g (c[0]) and g + 8 (c[2])
+  if (t == 0) {
+    red[warp][0][g] = cg[0];
+    red[warp][0][g + 8] = cg[2];
+    red[warp][1][g] = cu[0];
+    red[warp][1][g + 8] = cu[2];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float gv = 0.f, uv = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecWarps; ++w) {
+      gv += red[w][0][threadIdx.x];
+      uv += red[w][1][threadIdx.x];
+    }
+    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(gv / (1.f + __expf(-gv)) * uv);
+  }
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(kDecThreads)
+int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ w2q, const bf16* __restrict__ w2s,
+                        const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
+                        const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift,
+                        int topk, bf16* __restrict__ out) {
+  extern __shared__ uint32_t s_act[];  // [topk][I / 2] bf16 pairs: this token's activations
+  __shared__ int s_e[kMaxTopk];
+  __shared__ float s_w[kMaxTopk];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tok = blockIdx.y, m = blockIdx.x * kDecWarps + warp;
+  const int MT = H / 16, KC = I / 64, G = I >> gs_shift;
+  // Before gate/up is done: the routing (two kernels back, complete once gate/up let this grid
+  // launch; read through L2) and this warp's weight tiles into L2.
+  if (threadIdx.x < topk) {
+    const int e = local_expert_l2(ids, int64_t(tok) * topk + threadIdx.x, emap, num_global, E);
+    s_e[threadIdx.x] = e;
+    s_w[threadIdx.x] = e >= 0 ? __ldcg(topk_weights + int64_t(tok) * topk + threadIdx.x) : 0.f;
+  }
+  __syncthreads();
+  if (m < MT) {
+    for (int j = 0; j < topk; ++j)
+      if (s_e[j] >= 0) l2_prefetch_range(w2q + (int64_t(s_e[j]) * MT + m) * KC * 32, int64_t(KC) * 512, lane);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  const int words = topk * (I / 2);
+  const uint32_t* ag = reinterpret_cast<const uint32_t*>(act + int64_t(tok) * topk * I);
+  for (int i = threadIdx.x; i < words; i += kDecThreads) s_act[i] = __ldcg(ag + i);
+  __syncthreads();
+  if (m >= MT) return;
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const int items = topk * KC;  // (slot j, k64 tile c) in slot order
+  for (int n0 = 0; n0 < items; n0 += kDownInFlight) {
+    uint4 q[kDownInFlight];
+#pragma unroll
+    for (int u = 0; u < kDownInFlight; ++u) {
+      const int n = n0 + u;
+      if (n < items) {
+        const int j = n / KC, c = n - j * KC, e = s_e[j];
+        if (e >= 0) q[u] = ld_stream(w2q + ((int64_t(e) * MT + m) * KC + c) * 32 + lane);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDownInFlight; ++u) {
+      const int n = n0 + u;
+      if (n < items) {
+        const int j = n / KC, c = n - j * KC, e = s_e[j];
+        if (e >= 0) {
+          const uint32_t* srow = reinterpret_cast<const uint32_t*>(w2s + (int64_t(e) * MT + m) * G * 16) + g;
+          const uint32_t* ac = s_act + j * (I / 2) + 32 * c + t;
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+          tile_mma(q[u], srow, c, gs_shift, [&](int w) { return ac[w]; }, part);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[r] = fmaf(s_w[j], part[r], acc[r]);
+        }
+      }
+    }
+  }
+  if (t == 0) {
+    bf16* o = out + int64_t(tok) * H + 16 * m + g;
+    o[0] = __float2bfloat16(acc[0]);
+    o[8] = __float2bfloat16(acc[2]);
+  }
+}
+
+template <typename IdT>
+void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
+  const IdT* ids = static_cast<const IdT*>(a.topk_ids);
+  const int T = int(a.T), k = int(a.topk), H = int(a.H), I = int(a.I), E = int(a.E), ng = int(a.num_global),
+            gs_shift = a.group_size == 32 ? 5 : a.group_size == 64 ? 6 : 7;
+  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k)), dim3(kDecThreads), 0, stream,
+                pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I, gs_shift, k, a.act);
+  const size_t smem = size_t(k) * I * 2;
+  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned((H / 16 + kDecWarps - 1) / kDecWarps), unsigned(T)),
+                dim3(kDecThreads), smem, stream, pdl, static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids,
+                a.topk_weights, a.emap, ng, E, H, I, gs_shift, k, a.out);
+}
+
+}  // namespace
+
+bool int4_decode_applies(int64_t T, int64_t topk, int64_t I) {
+  if (T * topk > kInt4DecodeMaxSlots || topk > kMaxTopk || topk * I * 2 > kInt4DecodeMaxActBytes) return false;
+  const char* v = std::getenv("KDTREE_INT4_DECODE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+void int4_moe_decode(const Int4DecodeArgs& a, bool ids_int64) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool pdl = pdl_enabled();
+  if (ids_int64)
+    launch_decode<int64_t>(a, stream, pdl);
+  else
+    launch_decode<int32_t>(a, stream, pdl);
+}
+
+}  // namespace kdtree

@@ -1,0 +1,34 @@
+// int4_moe's decode path (moe_decode.cu), called by run_moe in moe.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <vector_types.h>
+
+#include <cstdint>
+
+namespace kdtree {
+
+constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
+constexpr int64_t kInt4DecodeMaxActBytes = 32 * 1024;  // a token's k · I bf16 activations in shared memory
+
+struct Int4DecodeArgs {
+  const __nv_bfloat16* x;     // [T, H]
+  const uint4* w13q;          // [E, 2 I / 16, H / 64, 32] (16-byte units of the kernel layout)
+  const __nv_bfloat16* w13s;  // [E, 2 I / 16, H / group, 16]
+  const uint4* w2q;           // [E, H / 16, I / 64, 32]
+  const __nv_bfloat16* w2s;   // [E, H / 16, I / group, 16]
+  const void* topk_ids;       // [T, topk] int32 or int64
+  const float* topk_weights;  // [T, topk]
+  const int32_t* emap;        // [num_global] or null
+  int64_t T, topk, H, I, E, num_global, group_size;
+  __nv_bfloat16* act;         // [T · topk, I] (the workspace's act region)
+  __nv_bfloat16* out;         // [T, H]
+};
+
+// Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe);
+// KDTREE_INT4_DECODE=0 turns the path off (read per call, for A/B runs and tests).
+bool int4_decode_applies(int64_t T, int64_t topk, int64_t I);
+
+void int4_moe_decode(const Int4DecodeArgs& args, bool ids_int64);
+
+}  // namespace kdtree

@@ -1,0 +1,75 @@
+// Programmatic dependent launch (PDL, sm_90+, so both of our targets), shared by the kernels of
+// the decode step (gemv, moe_gemv, moe_route, mla, int4_moe).
+//
+// A kernel launched with the PDL attribute may become resident while its predecessor on the
+// stream is still running, as soon as every block of the predecessor has called
+// launch_dependents() or exited.  The rules every kernel here follows:
+//   - pdl_wait() before reading anything the predecessor may have written and before writing
+//     anything (an output may reuse memory the predecessor still reads), on every path of every
+//     block (so a grid never completes before its predecessor has);
+//   - pdl_launch_dependents() only after pdl_wait(): a successor's pre-wait code may then rely on
+//     everything two or more kernels back being complete;
+//   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
+//     coherence, so a prefetched line the predecessor is still writing is never read stale) and,
+//     in a successor of one of our kernels, loads of data two kernels back through L2 (ldcg).
+// Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally
+// (read per call, for A/B timing).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace kdtree {
+namespace {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Fetch the 128-byte line holding p into L2 (no register result, no L1 allocation).
+__device__ __forceinline__ void l2_prefetch(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The lanes of a warp prefetch `bytes` bytes from p into L2, one 128-byte line per lane per step.
+__device__ __forceinline__ void l2_prefetch_range(const void* p, int64_t bytes, int lane) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128) l2_prefetch(c + off);
+}
+
+inline bool pdl_enabled() {
+  const char* v = std::getenv("KDTREE_PDL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                   Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
+}  // namespace
+}  // namespace kdtree
