@@ -368,7 +368,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
   const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident);
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem),
-                at::cuda::getCurrentCUDAStream(), pdl_enabled(), p);
+                at::cuda::getCurrentCUDAStream(), pdl_enabled("gemv"), p);
   return outs;
 }
 

@@ -543,7 +543,7 @@ void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t strea
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       int(cudaSharedmemCarveoutMaxShared)));
   const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
-  launch_kernel(kernel, grid, dim3(T::kThreads), size_t(T::kSmem), stream, pdl_enabled(), p);
+  launch_kernel(kernel, grid, dim3(T::kThreads), size_t(T::kSmem), stream, pdl_enabled("mla"), p);
 }
 
 // Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
@@ -656,7 +656,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   if (splits > 1) {
     const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked above)
     launch_kernel(mla_combine_kernel, blocks, dim3(kCombineWarps * 32), size_t(combine_smem_bytes(splits)), stream,
-                  pdl_enabled(), static_cast<const float*>(p.o_part), static_cast<const float*>(p.lse_part), int(R),
+                  pdl_enabled("mla"), static_cast<const float*>(p.o_part), static_cast<const float*>(p.lse_part), int(R),
                   int(M), splits, p.out, p.lse);
   }
 }

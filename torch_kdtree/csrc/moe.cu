@@ -670,8 +670,8 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const IdT* ids = topk_ids.data_ptr<IdT>();
   const int64_t n1 = 2 * d.I / kCtaN, n2 = d.H / kCtaN;
-  const bool pdl = pdl_enabled();
-  if (int4_decode_applies(d.T, d.topk, d.I)) {  // a few slots: two GEMV launches (moe_decode.cu)
+  const bool pdl = pdl_enabled("int4");
+  if (int4_decode_applies(d.T, d.topk, d.H, d.I)) {  // a few slots: two GEMV launches (moe_decode.cu)
     Int4DecodeArgs a{};
     a.x = reinterpret_cast<const bf16*>(x.data_ptr());
     a.w13q = reinterpret_cast<const uint4*>(w13_q.data_ptr<int32_t>());

@@ -8,7 +8,8 @@
 //   1. gate/up: grid (I / 16, T·k), 8 warps.  Block = one slot and one 16-channel tile pair (gate
 //      tile 2i and up tile 2i + 1 of w13); warp w takes the k64 tiles w, w + 8, ... of H, four in
 //      flight per lane (one 16-byte load per tile and lane: exactly its A fragments of four
-//      mma.m16n8k16 steps), with x as the B operand in all eight columns.  A fixed-order sum of
+//      mma.m16n8k16 steps) and the tiles' scales, with x (staged in shared memory) as the B
+//      operand in all eight columns.  A fixed-order sum of
 //      the eight warps' partials in shared memory, then act[slot, 16 i + r] = bf16(silu(g) · u).
 //   2. down: grid (ceil(H / 128), T), 8 warps.  Warp = one 16-channel tile of out for one token:
 //      all of its k slots' tiles (k · I / 64 16-byte loads per lane, eight in flight), B = the
@@ -44,20 +45,27 @@ __device__ __forceinline__ int local_expert_l2(const IdT* ids, int64_t i, const 
 }
 
 // Four k16 steps of one 16x64 weight tile (q: this lane's 16 bytes of it) against B, the tile's
-// 64 activations (bf16 pairs load_b(w) = word w of the tile), into acc.  scale_row: this lane's
-// scale pairs of the tile's channels, group i at word 8 i (group size 1 << gs_shift).
+// 64 activations (bf16 pairs load_b(w) = word w of the tile), into acc.  sp0 / sp1: this lane's
+// scale pairs of the tile's k 0..31 and k 32..63 (the same word for groups of 64 and 128).
 template <typename LoadB>
-__device__ __forceinline__ void tile_mma(const uint4& q, const uint32_t* __restrict__ scale_row, int c, int gs_shift,
-                                         LoadB load_b, float (&acc)[4]) {
+__device__ __forceinline__ void tile_mma(const uint4& q, uint32_t sp0, uint32_t sp1, LoadB load_b, float (&acc)[4]) {
   const uint32_t qs[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    const uint32_t sp = __ldg(scale_row + ((64 * c + 16 * s) >> gs_shift) * 8);
     uint32_t a[4];
-    dequant_a(qs[s], sp, a);
+    dequant_a(qs[s], s < 2 ? sp0 : sp1, a);
     const uint32_t b[2] = {load_b(8 * s), load_b(8 * s + 4)};
     mma_bf16(acc, a, b);
   }
+}
+
+// Scale-pair words of k64 tile c for k 0..31 and 32..63 (row: the lane's words of one 16-channel
+// tile, group i at word 8 i; group size 1 << gs_shift).
+__device__ __forceinline__ uint32_t scale_lo(const uint32_t* row, int c, int gs_shift) {
+  return __ldg(row + ((64 * c) >> gs_shift) * 8);
+}
+__device__ __forceinline__ uint32_t scale_hi(const uint32_t* row, int c, int gs_shift) {
+  return __ldg(row + ((64 * c + 32) >> gs_shift) * 8);
 }
 
 template <typename IdT>
@@ -65,6 +73,7 @@ __global__ void __launch_bounds__(kDecThreads)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
                       int I, int gs_shift, int topk, bf16* __restrict__ act) {
+  extern __shared__ uint32_t s_x[];  // [H / 2] bf16 pairs: the slot's token
   __shared__ float red[kDecWarps][2][16];
   pdl_wait();  // the routing and x come from earlier kernels
   pdl_launch_dependents();
@@ -72,31 +81,43 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   const int tp = blockIdx.x, slot = blockIdx.y;
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
-  if (e >= 0) {
+  if (e >= 0) {  // block-uniform
     const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
     const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32 + lane;  // tile (e, 2 tp, c) at + 32 c
     const uint4* wu = wg + int64_t(KC) * 32;
     const uint32_t* sg = reinterpret_cast<const uint32_t*>(w13s + (int64_t(e) * MT + 2 * tp) * G * 16) + g;
     const uint32_t* su = sg + int64_t(G) * 8;
-    const uint32_t* xw = reinterpret_cast<const uint32_t*>(x + int64_t(slot / topk) * H) + t;
-    for (int c0 = warp; c0 < KC; c0 += kDecWarps * kUpInFlight) {
-      uint4 qg[kUpInFlight], qu[kUpInFlight];
+    // the first tiles' weights and scales in flight while x is staged
+    auto load = [&](int c0, uint4 (&qg)[kUpInFlight], uint4 (&qu)[kUpInFlight], uint32_t (&sc)[kUpInFlight][4]) {
 #pragma unroll
       for (int u = 0; u < kUpInFlight; ++u) {
         const int c = c0 + kDecWarps * u;
         if (c < KC) {
           qg[u] = ld_stream(wg + 32 * c);
           qu[u] = ld_stream(wu + 32 * c);
+          sc[u][0] = scale_lo(sg, c, gs_shift);
+          sc[u][1] = scale_hi(sg, c, gs_shift);
+          sc[u][2] = scale_lo(su, c, gs_shift);
+          sc[u][3] = scale_hi(su, c, gs_shift);
         }
       }
+    };
+    uint4 qg[kUpInFlight], qu[kUpInFlight];
+    uint32_t sc[kUpInFlight][4];
+    load(warp, qg, qu, sc);
+    const uint32_t* xg = reinterpret_cast<const uint32_t*>(x + int64_t(slot / topk) * H);
+    for (int i = threadIdx.x; i < H / 2; i += kDecThreads) s_x[i] = __ldcg(xg + i);
+    __syncthreads();
+    for (int c0 = warp; c0 < KC; c0 += kDecWarps * kUpInFlight) {
+      if (c0 != warp) load(c0, qg, qu, sc);
 #pragma unroll
       for (int u = 0; u < kUpInFlight; ++u) {
         const int c = c0 + kDecWarps * u;
         if (c < KC) {
-          const uint32_t* xc = xw + 32 * c;
-          auto load_b = [&](int w) { return __ldg(xc + w); };
-          tile_mma(qg[u], sg, c, gs_shift, load_b, cg);
-          tile_mma(qu[u], su, c, gs_shift, load_b, cu);
+          const uint32_t* xc = s_x + 32 * c + t;
+          auto load_b = [&](int w) { return xc[w]; };
+          tile_mma(qg[u], sc[u][0], sc[u][1], load_b, cg);
+          tile_mma(qu[u], sc[u][2], sc[u][3], load_b, cu);
         }
       }
     }
@@ -156,12 +177,18 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   const int items = topk * KC;  // (slot j, k64 tile c) in slot order
   for (int n0 = 0; n0 < items; n0 += kDownInFlight) {
     uint4 q[kDownInFlight];
+    uint32_t sp[kDownInFlight][2];
 #pragma unroll
     for (int u = 0; u < kDownInFlight; ++u) {
       const int n = n0 + u;
       if (n < items) {
         const int j = n / KC, c = n - j * KC, e = s_e[j];
-        if (e >= 0) q[u] = ld_stream(w2q + ((int64_t(e) * MT + m) * KC + c) * 32 + lane);
+        if (e >= 0) {
+          q[u] = ld_stream(w2q + ((int64_t(e) * MT + m) * KC + c) * 32 + lane);
+          const uint32_t* srow = reinterpret_cast<const uint32_t*>(w2s + (int64_t(e) * MT + m) * G * 16) + g;
+          sp[u][0] = scale_lo(srow, c, gs_shift);
+          sp[u][1] = scale_hi(srow, c, gs_shift);
+        }
       }
     }
 #pragma unroll
@@ -170,10 +197,9 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
       if (n < items) {
         const int j = n / KC, c = n - j * KC, e = s_e[j];
         if (e >= 0) {
-          const uint32_t* srow = reinterpret_cast<const uint32_t*>(w2s + (int64_t(e) * MT + m) * G * 16) + g;
           const uint32_t* ac = s_act + j * (I / 2) + 32 * c + t;
           float part[4] = {0.f, 0.f, 0.f, 0.f};
-          tile_mma(q[u], srow, c, gs_shift, [&](int w) { return ac[w]; }, part);
+          tile_mma(q[u], sp[u][0], sp[u][1], [&](int w) { return ac[w]; }, part);
 #pragma unroll
           for (int r = 0; r < 4; ++r) acc[r] = fmaf(s_w[j], part[r], acc[r]);
         }
@@ -192,8 +218,8 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const IdT* ids = static_cast<const IdT*>(a.topk_ids);
   const int T = int(a.T), k = int(a.topk), H = int(a.H), I = int(a.I), E = int(a.E), ng = int(a.num_global),
             gs_shift = a.group_size == 32 ? 5 : a.group_size == 64 ? 6 : 7;
-  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k)), dim3(kDecThreads), 0, stream,
-                pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I, gs_shift, k, a.act);
+  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k)), dim3(kDecThreads),
+                size_t(H) * 2, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I, gs_shift, k, a.act);
   const size_t smem = size_t(k) * I * 2;
   launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned((H / 16 + kDecWarps - 1) / kDecWarps), unsigned(T)),
                 dim3(kDecThreads), smem, stream, pdl, static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids,
@@ -202,15 +228,17 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
 
 }  // namespace
 
-bool int4_decode_applies(int64_t T, int64_t topk, int64_t I) {
-  if (T * topk > kInt4DecodeMaxSlots || topk > kMaxTopk || topk * I * 2 > kInt4DecodeMaxActBytes) return false;
+bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I) {
+  if (T * topk > kInt4DecodeMaxSlots || topk > kMaxTopk || topk * I * 2 > kInt4DecodeMaxBytes ||
+      H * 2 > kInt4DecodeMaxBytes)
+    return false;
   const char* v = std::getenv("KDTREE_INT4_DECODE");
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 void int4_moe_decode(const Int4DecodeArgs& a, bool ids_int64) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool pdl = pdl_enabled();
+  const bool pdl = pdl_enabled("int4");
   if (ids_int64)
     launch_decode<int64_t>(a, stream, pdl);
   else

@@ -9,7 +9,7 @@
 namespace kdtree {
 
 constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
-constexpr int64_t kInt4DecodeMaxActBytes = 32 * 1024;  // a token's k · I bf16 activations in shared memory
+constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
 struct Int4DecodeArgs {
   const __nv_bfloat16* x;     // [T, H]
@@ -27,7 +27,7 @@ struct Int4DecodeArgs {
 
 // Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe);
 // KDTREE_INT4_DECODE=0 turns the path off (read per call, for A/B runs and tests).
-bool int4_decode_applies(int64_t T, int64_t topk, int64_t I);
+bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I);
 
 void int4_moe_decode(const Int4DecodeArgs& args, bool ids_int64);
 

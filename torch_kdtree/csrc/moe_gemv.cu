@@ -244,7 +244,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
-  const bool pdl = pdl_enabled();
+  const bool pdl = pdl_enabled("moe_gemv");
   launch_kernel(moe_gate_up_kernel, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,

@@ -121,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   const c10::cuda::CUDAGuard guard(logits.device());
   const int threads = int((std::max<int64_t>(E, n_group) + 31) / 32 * 32);
   launch_kernel(moe_route_kernel, dim3(unsigned(T)), dim3(unsigned(threads)), 0, at::cuda::getCurrentCUDAStream(),
-                pdl_enabled(), logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group),
+                pdl_enabled("moe_route"), logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group),
                 int(topk_group), renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>());
   return {ids, weights};
 }

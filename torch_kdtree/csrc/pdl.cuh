@@ -12,8 +12,8 @@
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale) and,
 //     in a successor of one of our kernels, loads of data two kernels back through L2 (ldcg).
-// Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally
-// (read per call, for A/B timing).
+// Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
+// KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -49,9 +49,21 @@ __device__ __forceinline__ void l2_prefetch_range(const void* p, int64_t bytes, 
   for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128) l2_prefetch(c + off);
 }
 
-inline bool pdl_enabled() {
+// Whether the kernels of `group` (gemv, moe_gemv, moe_route, mla, int4) launch with PDL: yes unless
+// KDTREE_PDL is "0", or a comma-separated list of groups that does not name this one.
+inline bool pdl_enabled(const char* group) {
   const char* v = std::getenv("KDTREE_PDL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  const size_t n = std::strlen(group);
+  for (const char* p = v; *p != 0;) {
+    const char* end = std::strchr(p, ',');
+    const size_t len = end != nullptr ? size_t(end - p) : std::strlen(p);
+    if (len == n && std::strncmp(p, group, n) == 0) return true;
+    if (end == nullptr) break;
+    p = end + 1;
+  }
+  return false;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true.
