@@ -689,6 +689,8 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
     a.num_global = d.num_global;
     a.group_size = group_size;
     a.act = reinterpret_cast<bf16*>(ws + w.act);
+    a.partials = reinterpret_cast<float*>(ws + w.y);  // the grouped path's y, unused here
+    a.partial_bytes = 2 * w.M * d.H;
     a.out = reinterpret_cast<bf16*>(out.data_ptr());
     int4_moe_decode(a, std::is_same_v<IdT, int64_t>);
     return;

@@ -24,6 +24,7 @@
 #include "pdl.cuh"
 #include <ATen/cuda/CUDAContext.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -33,7 +34,9 @@ namespace {
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kUpInFlight = 4;    // gate/up: k64 tiles per lane in flight (x2: gate and up)
-constexpr int kDownInFlight = 8;  // down: (slot, k64 tile) items per lane in flight
+constexpr int kMaxUpSplits = 4;
+constexpr int kDownWarps = 4;      // down: warps (16-channel output tiles) per block
+constexpr int kDownInFlight = 16;  // down: (slot, k64 tile) items per lane in flight
 constexpr int kMaxTopk = 16;
 
 template <typename IdT>
@@ -72,13 +75,14 @@ template <typename IdT>
 __global__ void __launch_bounds__(kDecThreads)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
-                      int I, int gs_shift, int topk, bf16* __restrict__ act) {
+                      int I, int gs_shift, int topk, bf16* __restrict__ act, float* __restrict__ partials) {
   extern __shared__ uint32_t s_x[];  // [H / 2] bf16 pairs: the slot's token
   __shared__ float red[kDecWarps][2][16];
   pdl_wait();  // the routing and x come from earlier kernels
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tp = blockIdx.x, slot = blockIdx.y;
+  const int tp = blockIdx.x, slot = blockIdx.y, ks = blockIdx.z, nks = gridDim.z;
+  const int gw = ks * kDecWarps + warp, nw = nks * kDecWarps;  // this warp among the unit's warps
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
   if (e >= 0) {  // block-uniform
@@ -91,7 +95,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     auto load = [&](int c0, uint4 (&qg)[kUpInFlight], uint4 (&qu)[kUpInFlight], uint32_t (&sc)[kUpInFlight][4]) {
 #pragma unroll
       for (int u = 0; u < kUpInFlight; ++u) {
-        const int c = c0 + kDecWarps * u;
+        const int c = c0 + nw * u;
         if (c < KC) {
           qg[u] = ld_stream(wg + 32 * c);
           qu[u] = ld_stream(wu + 32 * c);
@@ -104,15 +108,15 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     };
     uint4 qg[kUpInFlight], qu[kUpInFlight];
     uint32_t sc[kUpInFlight][4];
-    load(warp, qg, qu, sc);
+    load(gw, qg, qu, sc);
     const uint32_t* xg = reinterpret_cast<const uint32_t*>(x + int64_t(slot / topk) * H);
     for (int i = threadIdx.x; i < H / 2; i += kDecThreads) s_x[i] = __ldcg(xg + i);
     __syncthreads();
-    for (int c0 = warp; c0 < KC; c0 += kDecWarps * kUpInFlight) {
-      if (c0 != warp) load(c0, qg, qu, sc);
+    for (int c0 = gw; c0 < KC; c0 += nw * kUpInFlight) {
+      if (c0 != gw) load(c0, qg, qu, sc);
 #pragma unroll
       for (int u = 0; u < kUpInFlight; ++u) {
-        const int c = c0 + kDecWarps * u;
+        const int c = c0 + nw * u;
         if (c < KC) {
           const uint32_t* xc = s_x + 32 * c + t;
           auto load_b = [&](int w) { return xc[w]; };
@@ -137,21 +141,27 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
       gv += red[w][0][threadIdx.x];
       uv += red[w][1][threadIdx.x];
     }
-    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(gv / (1.f + __expf(-gv)) * uv);
+    if (nks == 1) {
+      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(gv / (1.f + __expf(-gv)) * uv);
+    } else {  // K split: this block's sums; down adds the splits in order
+      float* pp = partials + (int64_t(ks) * gridDim.y + slot) * 2 * I + 32 * tp + threadIdx.x;
+      pp[0] = gv;
+      pp[16] = uv;
+    }
   }
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(kDecThreads)
-int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ w2q, const bf16* __restrict__ w2s,
-                        const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
-                        const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift,
-                        int topk, bf16* __restrict__ out) {
+__global__ void __launch_bounds__(kDownWarps * 32)
+int4_decode_down_kernel(const bf16* __restrict__ act, const float* __restrict__ partials, int nks,
+                        const uint4* __restrict__ w2q, const bf16* __restrict__ w2s, const IdT* __restrict__ ids,
+                        const float* __restrict__ topk_weights, const int32_t* __restrict__ emap, int num_global,
+                        int E, int H, int I, int gs_shift, int topk, bf16* __restrict__ out) {
   extern __shared__ uint32_t s_act[];  // [topk][I / 2] bf16 pairs: this token's activations
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tok = blockIdx.y, m = blockIdx.x * kDecWarps + warp;
+  const int tok = blockIdx.y, m = blockIdx.x * kDownWarps + warp;
   const int MT = H / 16, KC = I / 64, G = I >> gs_shift;
   // Before gate/up is done: the routing (two kernels back, complete once gate/up let this grid
   // launch; read through L2) and this warp's weight tiles into L2.
@@ -168,8 +178,26 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   pdl_wait();
   pdl_launch_dependents();
   const int words = topk * (I / 2);
-  const uint32_t* ag = reinterpret_cast<const uint32_t*>(act + int64_t(tok) * topk * I);
-  for (int i = threadIdx.x; i < words; i += kDecThreads) s_act[i] = __ldcg(ag + i);
+  if (nks == 1) {
+    const uint32_t* ag = reinterpret_cast<const uint32_t*>(act + int64_t(tok) * topk * I);
+    for (int i = threadIdx.x; i < words; i += kDownWarps * 32) s_act[i] = __ldcg(ag + i);
+  } else {  // sum gate/up's K splits in order, then silu(g) · u
+    const int slots = gridDim.y * topk;
+    for (int i = threadIdx.x; i < words; i += kDownWarps * 32) {
+      const int j = i / (I / 2), ch = 2 * (i - j * (I / 2));  // channels ch, ch + 1 of slot j
+      const float* pp = partials + int64_t(tok * topk + j) * 2 * I + 32 * (ch / 16) + ch % 16;
+      float g0 = 0.f, g1 = 0.f, u0 = 0.f, u1 = 0.f;
+      for (int q = 0; q < nks; ++q) {
+        const float* p = pp + int64_t(q) * slots * 2 * I;
+        g0 += __ldcg(p);
+        g1 += __ldcg(p + 1);
+        u0 += __ldcg(p + 16);
+        u1 += __ldcg(p + 17);
+      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+      s_act[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
   __syncthreads();
   if (m >= MT) return;
 
@@ -213,17 +241,30 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   }
 }
 
+// gate/up's K split: about two blocks per SM in all (a unit = a slot's 32 w13 channels), at most
+// kMaxUpSplits, at least 8 k64 tiles per split's warps, and the fp32 partials must fit the
+// workspace region given to them (partial_bytes).
+int up_splits(const Int4DecodeArgs& a, int sms) {
+  const int64_t units = a.I / 16 * a.T * a.topk;
+  int64_t ks = std::min<int64_t>({kMaxUpSplits, (2 * sms + units / 2) / units, a.H / 64 / kDecWarps});
+  while (ks > 1 && ks * a.T * a.topk * 2 * a.I * 4 > a.partial_bytes) --ks;
+  return int(std::max<int64_t>(ks, 1));
+}
+
 template <typename IdT>
 void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const IdT* ids = static_cast<const IdT*>(a.topk_ids);
   const int T = int(a.T), k = int(a.topk), H = int(a.H), I = int(a.I), E = int(a.E), ng = int(a.num_global),
             gs_shift = a.group_size == 32 ? 5 : a.group_size == 64 ? 6 : 7;
-  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k)), dim3(kDecThreads),
-                size_t(H) * 2, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I, gs_shift, k, a.act);
+  const int nks = up_splits(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k), unsigned(nks)),
+                dim3(kDecThreads), size_t(H) * 2, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
+                gs_shift, k, a.act, a.partials);
   const size_t smem = size_t(k) * I * 2;
-  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned((H / 16 + kDecWarps - 1) / kDecWarps), unsigned(T)),
-                dim3(kDecThreads), smem, stream, pdl, static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids,
-                a.topk_weights, a.emap, ng, E, H, I, gs_shift, k, a.out);
+  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned((H / 16 + kDownWarps - 1) / kDownWarps), unsigned(T)),
+                dim3(kDownWarps * 32), smem, stream, pdl, static_cast<const bf16*>(a.act),
+                static_cast<const float*>(a.partials), nks, a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I,
+                gs_shift, k, a.out);
 }
 
 }  // namespace

@@ -22,6 +22,8 @@ struct Int4DecodeArgs {
   const int32_t* emap;        // [num_global] or null
   int64_t T, topk, H, I, E, num_global, group_size;
   __nv_bfloat16* act;         // [T · topk, I] (the workspace's act region)
+  float* partials;            // gate/up's K-split partial sums (the workspace's y region)
+  int64_t partial_bytes;      // its size
   __nv_bfloat16* out;         // [T, H]
 };
 
