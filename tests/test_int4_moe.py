@@ -633,7 +633,7 @@ def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
     (16, 512, 192, 3, 6, 64),      # I / 64 odd
     (16, 640, 256, 2, 4, 128),     # group 128, H / 64 odd
     (32, 4096, 128, 1, 4, 64),     # gate/up split over K in 4 (on a GPU with >= 112 SMs)
-    (16, 2048, 64, 1, 2, 128),     # K split in 4, group 128
+    (16, 2048, 128, 1, 2, 128),    # K split in 4, group 128
 ])
 def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, monkeypatch, E, H, I, T, k, group):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)

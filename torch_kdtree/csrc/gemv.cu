@@ -122,7 +122,7 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
 #pragma unroll
       for (int m = 0; m < kMaxRows; ++m) {
         if (m < rows) {
-          const uint4 v = __ldcg(xg + m * chunks + c);
+          const uint4 v = __ldg(xg + m * chunks + c);
           xs[m * chunks + c] = v;
           ss[m] = sumsq8(v, ss[m]);
         }
@@ -161,10 +161,10 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
 #pragma unroll
       for (int m = 0; m < kMaxRows; ++m)
-        if (m < rows) xs[m * chunks + c] = swiglu8(__ldcg(xg + m * chunks + c), __ldcg(ug + m * chunks + c));
+        if (m < rows) xs[m * chunks + c] = swiglu8(__ldg(xg + m * chunks + c), __ldg(ug + m * chunks + c));
     }
   } else {
-    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldcg(xg + i);
+    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) xs[i] = __ldg(xg + i);
   }
   __syncthreads();
 }
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
         if (lane == 0 && m < rows) {
           const int64_t at = int64_t(m0 + m) * seg.n + n;
           float y = round_bf16(t);
-          if (p.residual != nullptr) y += __bfloat162float(__ldcg(p.residual + at));
+          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
           seg.out[at] = __float2bfloat16(y);
         }
       }

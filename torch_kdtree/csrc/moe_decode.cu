@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kDecThreads)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
                       int I, int gs_shift, int topk, bf16* __restrict__ act, float* __restrict__ partials) {
-  extern __shared__ uint32_t s_x[];  // [H / 2] bf16 pairs: the slot's token
+  extern __shared__ __align__(16) uint32_t s_x[];  // [H / 2] bf16 pairs: the slot's token
   __shared__ float red[kDecWarps][2][16];
   pdl_wait();  // the routing and x come from earlier kernels
   pdl_launch_dependents();
@@ -109,8 +109,8 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     uint4 qg[kUpInFlight], qu[kUpInFlight];
     uint32_t sc[kUpInFlight][4];
     load(gw, qg, qu, sc);
-    const uint32_t* xg = reinterpret_cast<const uint32_t*>(x + int64_t(slot / topk) * H);
-    for (int i = threadIdx.x; i < H / 2; i += kDecThreads) s_x[i] = __ldcg(xg + i);
+    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H);
+    for (int i = threadIdx.x; i < H / 8; i += kDecThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
     __syncthreads();
     for (int c0 = gw; c0 < KC; c0 += nw * kUpInFlight) {
       if (c0 != gw) load(c0, qg, qu, sc);
@@ -157,7 +157,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const float* __restrict__ 
                         const uint4* __restrict__ w2q, const bf16* __restrict__ w2s, const IdT* __restrict__ ids,
                         const float* __restrict__ topk_weights, const int32_t* __restrict__ emap, int num_global,
                         int E, int H, int I, int gs_shift, int topk, bf16* __restrict__ out) {
-  extern __shared__ uint32_t s_act[];  // [topk][I / 2] bf16 pairs: this token's activations
+  extern __shared__ __align__(16) uint32_t s_act[];  // [topk][I / 2] bf16 pairs: this token's activations
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -179,23 +179,32 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const float* __restrict__ 
   pdl_launch_dependents();
   const int words = topk * (I / 2);
   if (nks == 1) {
-    const uint32_t* ag = reinterpret_cast<const uint32_t*>(act + int64_t(tok) * topk * I);
-    for (int i = threadIdx.x; i < words; i += kDownWarps * 32) s_act[i] = __ldcg(ag + i);
-  } else {  // sum gate/up's K splits in order, then silu(g) · u
-    const int slots = gridDim.y * topk;
-    for (int i = threadIdx.x; i < words; i += kDownWarps * 32) {
-      const int j = i / (I / 2), ch = 2 * (i - j * (I / 2));  // channels ch, ch + 1 of slot j
+    const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
+    for (int i = threadIdx.x; i < words / 4; i += kDownWarps * 32) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
+  } else {  // sum gate/up's K splits in order, then silu(g) · u; unit = 4 channels of a slot
+    const int slots = gridDim.y * topk, units = topk * (I / 4);
+    for (int i = threadIdx.x; i < units; i += kDownWarps * 32) {
+      const int j = i / (I / 4), ch = 4 * (i - j * (I / 4));  // channels ch .. ch + 3 of slot j
       const float* pp = partials + int64_t(tok * topk + j) * 2 * I + 32 * (ch / 16) + ch % 16;
-      float g0 = 0.f, g1 = 0.f, u0 = 0.f, u1 = 0.f;
-      for (int q = 0; q < nks; ++q) {
-        const float* p = pp + int64_t(q) * slots * 2 * I;
-        g0 += __ldcg(p);
-        g1 += __ldcg(p + 1);
-        u0 += __ldcg(p + 16);
-        u1 += __ldcg(p + 17);
-      }
-      const __nv_bfloat162 v = __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
-      s_act[i] = *reinterpret_cast<const uint32_t*>(&v);
+      float4 gs[kMaxUpSplits], us[kMaxUpSplits];
+#pragma unroll
+      for (int q = 0; q < kMaxUpSplits; ++q)
+        if (q < nks) {
+          const float* p = pp + int64_t(q) * slots * 2 * I;
+          gs[q] = __ldcg(reinterpret_cast<const float4*>(p));
+          us[q] = __ldcg(reinterpret_cast<const float4*>(p + 16));
+        }
+      float4 g = gs[0], u = us[0];
+#pragma unroll
+      for (int q = 1; q < kMaxUpSplits; ++q)
+        if (q < nks) {
+          g.x += gs[q].x, g.y += gs[q].y, g.z += gs[q].z, g.w += gs[q].w;
+          u.x += us[q].x, u.y += us[q].y, u.z += us[q].z, u.w += us[q].w;
+        }
+      const __nv_bfloat162 v0 = __floats2bfloat162_rn(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y);
+      const __nv_bfloat162 v1 = __floats2bfloat162_rn(g.z / (1.f + __expf(-g.z)) * u.z, g.w / (1.f + __expf(-g.w)) * u.w);
+      s_act[2 * i] = *reinterpret_cast<const uint32_t*>(&v0);
+      s_act[2 * i + 1] = *reinterpret_cast<const uint32_t*>(&v1);
     }
   }
   __syncthreads();
@@ -274,7 +283,7 @@ bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I) {
       H * 2 > kInt4DecodeMaxBytes)
     return false;
   const char* v = std::getenv("KDTREE_INT4_DECODE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return v == nullptr ? kInt4DecodeDefault : std::strcmp(v, "0") != 0;
 }
 
 void int4_moe_decode(const Int4DecodeArgs& a, bool ids_int64) {

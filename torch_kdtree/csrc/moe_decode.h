@@ -9,6 +9,7 @@
 namespace kdtree {
 
 constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
+constexpr bool kInt4DecodeDefault = true;              // without KDTREE_INT4_DECODE in the environment
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
 struct Int4DecodeArgs {
@@ -28,7 +29,7 @@ struct Int4DecodeArgs {
 };
 
 // Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe);
-// KDTREE_INT4_DECODE=0 turns the path off (read per call, for A/B runs and tests).
+// KDTREE_INT4_DECODE=0 / 1 turns the path off / on (read per call, for A/B runs and tests).
 bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I);
 
 void int4_moe_decode(const Int4DecodeArgs& args, bool ids_int64);

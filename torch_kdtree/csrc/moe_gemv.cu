@@ -80,7 +80,7 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   pdl_wait();
   pdl_launch_dependents();
   if (i >= rows) return;
-  const int e = is_shared ? 0 : __ldcg(ids + slot);
+  const int e = is_shared ? 0 : ids[slot];
   float g = 0.f, u = 0.f;
   if (is_shared || (e >= 0 && e < E)) {
     const int chunks = H / 8;
@@ -111,10 +111,12 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   // Before gate/up is done: the ids (two kernels back, complete once gate/up let this grid
   // launch; read through L2) and this warp's down rows into L2.
   if (h < H) {
-    for (int j = 0; j < k; ++j) {
-      const int e = __ldcg(ids + t * k + j);
-      if (e >= 0 && e < E) l2_prefetch_range(down + (int64_t(e) * H + h) * I, int64_t(I) * 2, lane);
-    }
+    int es[kMaxTopk];  // all ids first: one L2 round trip
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j) es[j] = j < k ? __ldcg(ids + t * k + j) : -1;
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j)
+      if (es[j] >= 0 && es[j] < E) l2_prefetch_range(down + (int64_t(es[j]) * H + h) * I, int64_t(I) * 2, lane);
     if (shared_down != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
   }
   pdl_wait();
@@ -137,7 +139,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
       const int c = lane + 32 * q;
       if (c < schunks) {
         sw[q] = ld_stream(sr + c);
-        sa[q] = __ldcg(sar + c);
+        sa[q] = __ldg(sar + c);
       }
     }
   }
@@ -149,9 +151,9 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSlotBatch; ++q) {
       const int j = j0 + q, slot = t * k + j;
-      const int e = j < k ? __ldcg(ids + slot) : -1;
+      const int e = j < k ? ids[slot] : -1;
       ok[q] = e >= 0 && e < E;
-      wj[q] = ok[q] ? __ldcg(weights + slot) : 0.f;
+      wj[q] = ok[q] ? weights[slot] : 0.f;
       wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + h) * I);
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
@@ -164,7 +166,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
         if (ok[q]) wv[q] = ld_stream(wr[q] + c);
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
-        if (ok[q]) av[q] = __ldcg(ar[q] + c);
+        if (ok[q]) av[q] = __ldg(ar[q] + c);
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
         if (ok[q]) d[q] = dot8(wv[q], av[q], d[q]);
@@ -176,7 +178,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSharedBatch; ++q)
       if (lane + 32 * q < schunks) sd = dot8(sw[q], sa[q], sd);
-    for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldcg(sar + c), sd);
+    for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldg(sar + c), sd);
     acc += sd;
   }
   acc = warp_sum(acc);
