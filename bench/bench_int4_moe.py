@@ -16,8 +16,8 @@ where neither runs), dequant = the touched experts' compressed-tensors weights d
 bf16 with torch ops, then the same grouped matmuls (graphs of 4 calls, it is slow).  The
 baselines get the routing's sort and expert list precomputed on the host (not timed).
 eager_us is pytest-benchmark's eager call + synchronisation (Python and launches included).
-Calls with T · k <= 32 take the decode path (two GEMV launches); grouped_gemm_path_us times the
-same calls with KDTREE_INT4_DECODE=0 (the four-launch grouped GEMMs) in the same run.
+gpu_us is the default path (the four-launch grouped GEMMs); for T · k <= 32, decode_path_us times
+the same calls on the opt-in decode path (KDTREE_INT4_DECODE=1, two GEMV launches) in the same run.
 """
 import math
 import os
@@ -163,13 +163,17 @@ def measure(shape: str, T: int) -> dict:
         except Exception:  # grouped_mm present but not for this device / dtype
             use_grouped = False
     us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
-    grouped_us = None  # decode-sized calls: the grouped-GEMM path they no longer take, for comparison
+    decode_us = None  # decode-sized calls: the opt-in two-launch decode path, for comparison
     if T * k <= 32:
-        os.environ["KDTREE_INT4_DECODE"] = "0"
+        before = os.environ.get("KDTREE_INT4_DECODE")
+        os.environ["KDTREE_INT4_DECODE"] = "1"
         try:
-            grouped_us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
+            decode_us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
         finally:
-            del os.environ["KDTREE_INT4_DECODE"]
+            if before is None:
+                del os.environ["KDTREE_INT4_DECODE"]
+            else:
+                os.environ["KDTREE_INT4_DECODE"] = before
     bf16_us = cuda_time_us(cycling(lambda c: bf16_moe(c, c.layer.w13, c.layer.w2, False, use_grouped), calls))
     torch.cuda.empty_cache()
     dequant_us = cuda_time_us(cycling(lambda c: dequant_moe(c, use_grouped), calls), calls_per_graph=4, replays=3)
@@ -178,7 +182,7 @@ def measure(shape: str, T: int) -> dict:
     nbytes = touched * expert_bytes(H, I) + 2 * T * H * 2
     gbs = nbytes / (us * 1e-6) / 1e9
     return dict(shape=shape, E=E, H=H, I=I, k=k, T=T, experts_touched=touched, mbytes=nbytes / 1e6, gpu_us=us,
-                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, grouped_gemm_path_us=grouped_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
+                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, decode_path_us=decode_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
                 dequant_us=dequant_us, speedup_vs_dequant=dequant_us / us,
                 bf16_path="grouped_mm" if use_grouped else "per-expert loop"), calls, ws
 

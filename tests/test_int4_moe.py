@@ -563,9 +563,11 @@ def test_cuda_compiles_with_fullgraph(fresh_seed):
 
 
 @requires_cuda
-def test_cuda_graph_replays_with_new_routings(fresh_seed):
+@pytest.mark.parametrize("E,H,I,T,k,decode", [(32, 512, 128, 12, 8, "0"),  # the grouped GEMMs
+                                              (64, 1024, 256, 2, 8, "1")])  # the decode path (T * k <= 32)
+def test_cuda_graph_replays_with_new_routings(fresh_seed, monkeypatch, E, H, I, T, k, decode):
+    monkeypatch.setenv("KDTREE_INT4_DECODE", decode)
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    E, H, I, T, k = 32, 512, 128, 12, 8
     w = cuda_weights(gen, E, H, I)
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, T, k, E)
@@ -597,16 +599,21 @@ def test_cuda_graph_replays_with_new_routings(fresh_seed):
 
 
 @requires_cuda
-def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, monkeypatch):
+@pytest.mark.parametrize("E,H,I,T,k,k_splits,decode", [(24, 512, 128, 21, 8, 4, "0"),     # grouped GEMMs, split K
+                                                       (64, 2048, 256, 2, 8, None, "1")])  # the decode path
+def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, monkeypatch, E, H, I, T, k,
+                                                                        k_splits, decode):
+    monkeypatch.setenv("KDTREE_INT4_DECODE", decode)
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    w = cuda_weights(gen, 24, 512, 128)
-    x = torch.randn((21, 512), generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = cuda_routing(gen, 21, 8, 24)
+    w = cuda_weights(gen, E, H, I)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
     monkeypatch.setenv("KDTREE_PDL", "0")
-    a = run_out_poisoned(x, w, ids, tw, k_splits=4)
+    a = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
     monkeypatch.setenv("KDTREE_PDL", "1")
-    b = run_out_poisoned(x, w, ids, tw, k_splits=4)
-    assert torch.equal(a, b)
+    b = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
+    c = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
+    assert torch.equal(a, b) and torch.equal(b, c)
     check_against_reference(x, w, ids, tw)
 
 
@@ -615,7 +622,8 @@ def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_see
 # --------------------------------------------------------------------------------------------
 
 def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
-    """(decode path, grouped-GEMM path) outputs of the same call, each checked against the reference."""
+    """(decode path, grouped-GEMM path) outputs of the same call, each checked against the reference
+    (the decode path is off unless KDTREE_INT4_DECODE=1)."""
     monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
     dec, ref = check_against_reference(x, w, ids, tw, expert_map)
     monkeypatch.setenv("KDTREE_INT4_DECODE", "0")
@@ -661,47 +669,3 @@ def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypa
     dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw, expert_map=emap)
     assert torch.equal(dec[0], torch.zeros_like(dec[0]))
     assert rel_err(dec, gemm) <= 4e-3
-
-
-@requires_cuda
-def test_cuda_decode_path_graph_replays_with_new_routings(fresh_seed):
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    E, H, I, T, k = 64, 1024, 256, 2, 8
-    w = cuda_weights(gen, E, H, I)
-    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = cuda_routing(gen, T, k, E)
-    out = torch.full_like(x, float("nan"))
-    ws = int4_moe_workspace(T, k, w)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        int4_moe_out(x, w, ids, tw, out, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        int4_moe_out(x, w, ids, tw, out, ws)
-    for _ in range(3):
-        new_ids, new_tw = cuda_routing(gen, T, k, E)
-        ids.copy_(new_ids)
-        tw.copy_(new_tw)
-        x.copy_(torch.randn((T, H), generator=gen, device="cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32)
-        assert not torch.isnan(out).any()
-        assert rel_err(out, ref) <= 1e-2
-
-
-@requires_cuda
-def test_cuda_decode_path_same_bits_with_and_without_pdl_and_deterministic(fresh_seed, monkeypatch):
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    w = cuda_weights(gen, 64, 2048, 256)
-    x = torch.randn((2, 2048), generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = cuda_routing(gen, 2, 8, 64)
-    monkeypatch.setenv("KDTREE_PDL", "0")
-    a = run_out_poisoned(x, w, ids, tw)
-    monkeypatch.setenv("KDTREE_PDL", "1")
-    b = run_out_poisoned(x, w, ids, tw)
-    c = run_out_poisoned(x, w, ids, tw)
-    assert torch.equal(a, b) and torch.equal(b, c)

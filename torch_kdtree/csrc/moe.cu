@@ -21,9 +21,9 @@
 //      weight and writes one bf16 row per (token, k) entry.
 //   4. combine: out[t] = sum_j y[t, j] in fixed order j = 0..k-1 (fp32), skipping entries
 //      whose expert is not on this rank.  No float atomics anywhere.
-// Decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for two GEMV launches
-// (moe_decode.cu) with the same numerics.  Launches after the first use programmatic dependent
-// launch (pdl.cuh).
+// With KDTREE_INT4_DECODE=1, decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for
+// two GEMV launches (moe_decode.cu) with the same numerics (off by default: slower on the H200).
+// Launches after the first use programmatic dependent launch (pdl.cuh).
 // Bounds: decode sizes stream the touched experts' weights (0.5 byte per weight + 1/16 for the
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
 // No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB).

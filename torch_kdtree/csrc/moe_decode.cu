@@ -1,18 +1,21 @@
-// int4_moe's decode path: for a handful of (token, expert) slots (T·k <= kInt4DecodeMaxSlots)
+// int4_moe's decode path (off unless KDTREE_INT4_DECODE=1: run 40 measured it slower than the
+// grouped path at T = 1, 2 and 4 on the H200): for a handful of (token, expert) slots (T·k <= 32)
 // the grouped GEMMs of moe.cu (align, gate/up, down, combine: four launches with a sort and a
 // padded expert block each) have nothing to share between tokens, so two GEMV launches read
 // every touched expert's weights once instead.  Same inputs, layout (ops/moe.py), workspace
 // (its act region) and numerics (bf16 dequantisation q · scale as in dequant_a, fp32 tensor-core
 // accumulation, bf16 activations, the top-k terms summed in order j = 0..k-1 in fp32).
 //
-//   1. gate/up: grid (I / 16, T·k), 8 warps.  Block = one slot and one 16-channel tile pair (gate
-//      tile 2i and up tile 2i + 1 of w13); warp w takes the k64 tiles w, w + 8, ... of H, four in
+//   1. gate/up: grid (I / 16, T·k, K splits), 8 warps.  Block = one slot, one 16-channel tile pair
+//      (gate tile 2i and up tile 2i + 1 of w13) and one K split (up to 4, when a call has few
+//      blocks; the fp32 sums then go to the workspace's y region and down's prologue adds the
+//      splits in order); warp w of the unit's W takes the k64 tiles w, w + W, ... of H, four in
 //      flight per lane (one 16-byte load per tile and lane: exactly its A fragments of four
 //      mma.m16n8k16 steps) and the tiles' scales, with x (staged in shared memory) as the B
 //      operand in all eight columns.  A fixed-order sum of
 //      the eight warps' partials in shared memory, then act[slot, 16 i + r] = bf16(silu(g) · u).
-//   2. down: grid (ceil(H / 128), T), 8 warps.  Warp = one 16-channel tile of out for one token:
-//      all of its k slots' tiles (k · I / 64 16-byte loads per lane, eight in flight), B = the
+//   2. down: grid (ceil(H / 64), T), 4 warps.  Warp = one 16-channel tile of out for one token:
+//      all of its k slots' tiles (k · I / 64 16-byte loads per lane, sixteen in flight), B = the
 //      slot's activations staged in shared memory; per k64 tile the fp32 partial times the router
 //      weight is added to the output accumulator, in slot order.
 // Programmatic dependent launch (pdl.cuh): down reads the routing (two kernels back) before its

@@ -9,7 +9,9 @@
 namespace kdtree {
 
 constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
-constexpr bool kInt4DecodeDefault = true;              // without KDTREE_INT4_DECODE in the environment
+// Off without KDTREE_INT4_DECODE=1: on the H200 the grouped path was faster for the K2 TP-8 rank
+// at T = 1 and 2 (25.9 vs 35.7 us, 37.9 vs 40.8 us; bench/RESULTS.md run 40).
+constexpr bool kInt4DecodeDefault = false;
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
 struct Int4DecodeArgs {

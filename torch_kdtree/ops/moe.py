@@ -21,10 +21,12 @@ Kernel layout (the same on every device, so repacked weights may be moved or sav
   warp holds both halves of SiLU(gate) * up in its registers.
 
 The CPU kernels are the pure-torch references below; the CUDA kernels live in csrc/moe.cu
-(four launches per call: align, gate/up GEMM, down GEMM, combine) and, for decode-sized calls
-(T · k <= 32 and k · I · 2 bytes <= 32 KB, chosen from shapes only), csrc/moe_decode.cu (two
-GEMV launches that read each touched expert once; ``KDTREE_INT4_DECODE=0`` turns them off).
-Both paths chain their launches with programmatic dependent launch unless the environment sets
+(four launches per call: align, gate/up GEMM, down GEMM, combine).  csrc/moe_decode.cu holds an
+alternative for decode-sized calls (T · k <= 32, H and k · I at most 16 K values; chosen from
+shapes only): two GEMV launches that read each touched expert once.  It is off unless the
+environment sets ``KDTREE_INT4_DECODE=1``: on the H200 it was slower than the grouped GEMMs for
+the K2 TP-8 rank (35.7 vs 25.9 µs at T = 1, level at T = 4; bench/RESULTS.md run 40).  Both paths
+chain their launches with programmatic dependent launch unless the environment sets
 ``KDTREE_PDL=0``.
 """
 from __future__ import annotations
