@@ -5,10 +5,12 @@
 // stream is still running, as soon as every block of the predecessor has called
 // launch_dependents() or exited.  The rules every kernel here follows:
 //   - pdl_wait() before reading anything the predecessor may have written and before writing
-//     anything (an output may reuse memory the predecessor still reads), on every path of every
-//     block (so a grid never completes before its predecessor has);
-//   - pdl_launch_dependents() only after pdl_wait(): a successor's pre-wait code may then rely on
-//     everything two or more kernels back being complete;
+//     anything (an output may reuse memory the predecessor still reads); a block exits without
+//     waiting only when it has nothing to do and other blocks of its grid do wait (int4_moe's
+//     unused expert blocks), so a grid never completes before its predecessor has;
+//   - pdl_launch_dependents() only after pdl_wait() (or anywhere in a kernel launched without
+//     PDL, such as int4_moe's align): a successor's pre-wait code may then rely on everything two
+//     or more kernels back being complete;
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale) and,
 //     in a successor of one of our kernels, loads of data two kernels back through L2 (ldcg).
