@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route
+from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_router
+from torch_kdtree.ops.moe_router import MAX_HIDDEN as _ROUTER_MAX_H
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
 from .fixed_dtype import FixedDtype
@@ -34,8 +35,12 @@ _MOE_GEMV_SLOTS = 32
 # Read once at import (torch_kdtree has loaded its kernels by now), a constant for torch.compile.
 _HAS_MOE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA")
 _HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")
+_HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_router", "CUDA")
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
+# Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
+# in one kdtree::moe_router launch (KimiK2MoE.routed_ok).
+_ROUTER_FUSED = True
 
 
 class KimiK2MLP(nn.Module):
@@ -313,10 +318,36 @@ class KimiK2MoE(nn.Module):
         self.shared_experts = KimiK2MLP(config.hidden_size, config.moe_intermediate_size * n_shared) \
             if n_shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def router_fused_ok(self, h: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether :meth:`route_fused` takes one ``kdtree::moe_router`` launch for ``norm(h)`` and the
+        router: the CUDA kernel built, h bf16 on CUDA with at most gemv.FUSED_ROWS rows (the same
+        rows as the fused projections, so a token's logits never depend on the batch), a plain bf16
+        norm, a plain fp32 router, nothing hooked."""
+        gate = self.gate
+        w = gate.weight
+        hooked = self._forward_hooks or self._forward_pre_hooks or gate._forward_hooks or gate._forward_pre_hooks
+        return (_ROUTER_FUSED and _HAS_MOE_ROUTER_CUDA and not hooked and gemv._on_gpu(h)
+                and h.dtype == torch.bfloat16 and h.numel() <= gemv.FUSED_ROWS * h.shape[-1]
+                and h.shape[-1] % 4 == 0 and h.shape[-1] <= _ROUTER_MAX_H and plain_bf16(norm)
+                and w.dtype == torch.float32 and w.is_contiguous() and not hasattr(w, "placements")
+                and w.shape[0] <= _ROUTE_MAX_E and gate.top_k <= _ROUTE_MAX_K and gate.n_group <= _ROUTE_MAX_G)
+
+    def route_fused(self, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(norm(h), (topk_ids, topk_weights)) in one ``kdtree::moe_router`` launch."""
+        gate = self.gate
+        x, _, ids, weights = moe_router(h.reshape(-1, h.shape[-1]), norm.weight, norm.eps, gate.weight,
+                                        gate.e_score_correction_bias.float(), gate.top_k, gate.n_group,
+                                        gate.topk_group, bool(gate.norm_topk_prob),
+                                        float(gate.routed_scaling_factor))
+        return x.view(h.shape), (ids, weights)
+
+    def forward(self, x: torch.Tensor,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
+        caller has chosen the experts (:meth:`route_fused`), else the router runs here."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        topk_ids, topk_weights = self.gate(x)
+        topk_ids, topk_weights = self.gate(x) if routing is None else routing
         shared = self.shared_experts
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches

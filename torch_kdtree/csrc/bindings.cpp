@@ -63,6 +63,12 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("moe_route(Tensor logits, Tensor bias, int top_k, int n_group=1, int topk_group=1,"
         " bool renormalize=True, float scaling=1.0) -> (Tensor topk_ids, Tensor topk_weights)");
 
+  // The MoE block's input: x_norm = RMSNorm(x) * norm_weight (bf16), logits = x_norm @ router_weight.T
+  // (fp32), then moe_route's choice from the logits -- one launch on CUDA.
+  m.def("moe_router(Tensor x, Tensor norm_weight, float eps, Tensor router_weight, Tensor bias, int top_k,"
+        " int n_group=1, int topk_group=1, bool renormalize=True, float scaling=1.0)"
+        " -> (Tensor x_norm, Tensor logits, Tensor topk_ids, Tensor topk_weights)");
+
   // ---- decode-sized linear layers (ops/gemv.py, csrc/gemv.cu) ----
   // out_i = prologue(x) @ weights[i].T for up to 4 weights [N_i, K] sharing x [M, K]; the prologue
   // is x, RMSNorm(x) * norm_weight, or silu(x) * up; with one weight, optionally + residual.

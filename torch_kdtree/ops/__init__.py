@@ -23,3 +23,6 @@ from .gemv import gemv, gemv_reference
 
 # ---- noaux_tc routing ----
 from .moe_route import moe_route, moe_route_reference
+
+# ---- the MoE block's norm + router GEMV + routing in one op ----
+from .moe_router import moe_router, moe_router_reference

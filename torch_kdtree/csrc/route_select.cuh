@@ -1,0 +1,91 @@
+// noaux_tc expert selection of one token by one block (thread e = expert e), shared by
+// kdtree::moe_route (moe_route.cu: from logits) and kdtree::moe_router (moe_router.cu: RMSNorm +
+// router GEMV + this, in one launch).  Semantics: torch_kdtree/ops/moe_route.py.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace kdtree {
+namespace {
+
+constexpr int kRouteMaxExperts = 1024;
+constexpr int kRouteMaxTopk = 32;
+constexpr int kRouteMaxGroups = 64;
+
+struct RouteSmem {
+  float score[kRouteMaxExperts];
+  float choice[kRouteMaxExperts];
+  float group_score[kRouteMaxGroups];
+  bool keep[kRouteMaxGroups];
+  int sel_id[kRouteMaxTopk];
+};
+
+// Entries of v[0 .. n) that beat v[i]: larger, or equal at a lower index (a total order, so ranks
+// are distinct).
+__device__ __forceinline__ int rank_of(const float* v, int n, int i) {
+  const float mine = v[i];
+  int rank = 0;
+  for (int j = 0; j < n; ++j) rank += (v[j] > mine) || (v[j] == mine && j < i);
+  return rank;
+}
+
+// Called by every thread of a block with blockDim.x >= max(E, n_group); thread e passes expert e's
+// logit (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k); ends synchronised
+// only for thread 0's writes (callers __syncthreads() before reusing sm).
+//   1. thread e: score = sigmoid(logit) (fp32, expf), choice = score + bias[e] (NaN -> -inf);
+//   2. with n_group > 1: thread g sums its group's two largest choices, ranks the groups (ties:
+//      lower group first) and the experts of groups outside the best topk_group get -inf;
+//   3. thread e counts the experts that beat it: ranks 0 .. k-1 name the top-k, largest first;
+//   4. thread 0: w_j = score[id_j] (/ Σ_j w_j + 1e-20 when renormalising) · scaling.
+__device__ __forceinline__ void route_select(float logit, const float* __restrict__ bias, int E, int k, int n_group,
+                                             int topk_group, bool renormalize, float scaling,
+                                             int32_t* __restrict__ ids_row, float* __restrict__ weights_row,
+                                             RouteSmem& sm) {
+  const int e = threadIdx.x;
+  if (e < E) {
+    const float s = 1.f / (1.f + expf(-logit));
+    const float c = s + bias[e];
+    sm.score[e] = s;
+    sm.choice[e] = isnan(c) ? -INFINITY : c;
+  }
+  __syncthreads();
+  if (n_group > 1) {
+    const int gsize = E / n_group;
+    if (e < n_group) {
+      float a = -INFINITY, b = -INFINITY;  // the two largest of the group, a >= b
+      for (int j = e * gsize; j < (e + 1) * gsize; ++j) {
+        const float v = sm.choice[j];
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      sm.group_score[e] = a + b;
+    }
+    __syncthreads();
+    if (e < n_group) sm.keep[e] = rank_of(sm.group_score, n_group, e) < topk_group;
+    __syncthreads();
+    if (e < E && !sm.keep[e / gsize]) sm.choice[e] = -INFINITY;
+    __syncthreads();
+  }
+  if (e < E) {
+    const int rank = rank_of(sm.choice, E, e);
+    if (rank < k) sm.sel_id[rank] = e;
+  }
+  __syncthreads();
+  if (e == 0) {
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) sum += sm.score[sm.sel_id[j]];
+    for (int j = 0; j < k; ++j) {
+      const int id = sm.sel_id[j];
+      ids_row[j] = id;
+      weights_row[j] = (renormalize ? sm.score[id] / (sum + 1e-20f) : sm.score[id]) * scaling;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kdtree
