@@ -210,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous(), nc = norm_weight.contiguous(), wc = router_weight.contiguous(),
                    bc = bias.contiguous();
+  KD_CHECK(reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 == 0, op, ": router_weight must be 16-byte aligned");
   const int rs = segments(H);
   at::Tensor partial = at::empty({chunks * rs * rows_per_chunk * E}, f32);
   RouterParams p{};
