@@ -39,8 +39,10 @@ _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::m
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
-# in one kdtree::moe_router launch (KimiK2MoE.routed_ok).
-_ROUTER_FUSED = True
+# in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off until the model's CUDA tests
+# (greedy DDTree == autoregressive) and a decode A/B have run with it on a GPU (bench/RESULTS.md,
+# run 41: the session's device time ran out first).
+_ROUTER_FUSED = False
 
 
 class KimiK2MLP(nn.Module):
