@@ -104,7 +104,6 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
 __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks) {
   __shared__ float partial[kMaxRows][kWarps];
   __shared__ float rscale[kMaxRows];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
   if (p.prologue == kRmsNorm) {
     // the norm weight's chunks of this thread, loaded with x (not after the reduction)
@@ -128,19 +127,7 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) {
-      const float t = warp_sum(ss[m]);
-      if (lane == 0) partial[m][warp] = t;
-    }
-    __syncthreads();
-    if (threadIdx.x < kMaxRows) {
-      float t = 0.f;
-#pragma unroll
-      for (int i = 0; i < kWarps; ++i) t += partial[threadIdx.x][i];
-      rscale[threadIdx.x] = rsqrtf(t / float(p.K) + p.eps);
-    }
-    __syncthreads();
+    block_rms_scale(ss, partial, rscale, p.K, p.eps);
 #pragma unroll
     for (int i = 0; i < kNormPrefetch; ++i) {
       const int c = threadIdx.x + kThreads * i;

@@ -94,18 +94,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
         ss[m] = fmaf(v, v, ss[m]);
       }
   }
-#pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-    const float t = warp_sum(ss[m]);
-    if (lane == 0) red[m][warp] = t;
-  }
-  __syncthreads();
-  if (threadIdx.x < kRows) {
-    float t = 0.f;
-    for (int w = 0; w < kWarps; ++w) t += red[threadIdx.x][w];
-    rscale[threadIdx.x] = rsqrtf(t / float(p.H) + p.eps);
-  }
-  __syncthreads();
+  block_rms_scale(ss, red, rscale, p.H, p.eps);
   for (int i = threadIdx.x; i < p.H; i += kThreads) {
     const float g = __bfloat162float(p.norm[i]);
 #pragma unroll

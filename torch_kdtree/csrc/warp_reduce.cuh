@@ -17,5 +17,27 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Block-wide RMS scales of R rows over a block of W warps: ss[m] is this thread's sum of squares
+// of row m; on return (after a barrier) rscale[m] = rsqrt(Σ / n + eps) for every thread, the warps'
+// sums added in warp order.  red: shared scratch.
+template <int R, int W>
+__device__ __forceinline__ void block_rms_scale(const float (&ss)[R], float (&red)[R][W], float (&rscale)[R], int n,
+                                                float eps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    const float t = warp_sum(ss[m]);
+    if (lane == 0) red[m][warp] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) t += red[threadIdx.x][i];
+    rscale[threadIdx.x] = rsqrtf(t / float(n) + eps);
+  }
+  __syncthreads();
+}
+
 }  // namespace
 }  // namespace kdtree
