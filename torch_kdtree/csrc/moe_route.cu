@@ -22,11 +22,8 @@
 namespace kdtree {
 namespace {
 
-constexpr int kMaxExperts = kRouteMaxExperts;
-constexpr int kMaxTopk = kRouteMaxTopk;
-constexpr int kMaxGroups = kRouteMaxGroups;
 
-__global__ void __launch_bounds__(kMaxExperts)
+__global__ void __launch_bounds__(kRouteMaxExperts)
 moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, int n_group,
                  int topk_group, bool renormalize, float scaling, int32_t* __restrict__ ids,
                  float* __restrict__ weights) {
@@ -47,15 +44,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   KD_CHECK(bias.device() == logits.device(), op, ": logits and bias must be on one device");
   const int64_t T = logits.size(0), E = logits.size(1);
   KD_CHECK(bias.size(0) == E, op, ": bias must be [E = ", E, "], got ", bias.sizes());
-  KD_CHECK(E >= 1 && E <= kMaxExperts, op, ": E must be in [1, ", kMaxExperts, "], got ", E);
-  KD_CHECK(top_k >= 1 && top_k <= kMaxTopk && top_k <= E, op, ": top_k must be in [1, min(", kMaxTopk, ", E)], got ",
-           top_k);
-  KD_CHECK(n_group >= 1 && n_group <= kMaxGroups && E % n_group == 0, op, ": n_group must divide E and be in [1, ",
-           kMaxGroups, "], got ", n_group);
-  KD_CHECK(n_group == 1 || (E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group &&
-                            topk_group * (E / n_group) >= top_k),
-           op, ": with n_group > 1, groups need >= 2 experts and topk_group in [1, n_group] keeping >= top_k "
-           "experts, got n_group = ", n_group, ", topk_group = ", topk_group);
+  check_route_args(op, E, top_k, n_group, topk_group);
   KD_CHECK(T <= 2147483647, op, ": too many tokens");
   at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
   at::Tensor weights = at::empty({T, top_k}, logits.options());

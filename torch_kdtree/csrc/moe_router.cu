@@ -18,6 +18,7 @@
 // shapes from static sizes only (CUDA-graph safe).  Tickets are one per chunk per device and
 // return to zero at the end of every launch, so calls on one device must be stream-ordered (not
 // concurrent on two streams).
+#include "bf16_vec.cuh"
 #include "check.h"
 #include "pdl.cuh"
 #include "route_select.cuh"
@@ -59,8 +60,6 @@ struct RouterParams {
   float* weights;             // [T, k]
 };
 
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
 __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams p) {
   extern __shared__ __align__(16) __nv_bfloat16 xs[];  // [rows][H] normalised
   __shared__ float red[kRows][kWarps];
@@ -100,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
       if (m < rows) {
-        const __nv_bfloat16 v = __float2bfloat16(g * bf16_round(__bfloat162float(xg[int64_t(m) * p.H + i]) * rscale[m]));
+        const __nv_bfloat16 v = __float2bfloat16(g * round_bf16(__bfloat162float(xg[int64_t(m) * p.H + i]) * rscale[m]));
         xs[m * p.H + i] = v;
         if (blockIdx.x == 0) p.x_norm[int64_t(m0 + m) * p.H + i] = v;
       }
@@ -177,15 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
            ": x [T, H], norm_weight [H] and router_weight [E, H] must agree with H a positive multiple of 4, got ",
            x.sizes(), ", ", norm_weight.sizes(), ", ", router_weight.sizes());
   KD_CHECK(bias.size(0) == E, op, ": bias must be [E = ", E, "], got ", bias.sizes());
-  KD_CHECK(E >= 1 && E <= kRouteMaxExperts, op, ": E must be in [1, ", kRouteMaxExperts, "], got ", E);
-  KD_CHECK(top_k >= 1 && top_k <= kRouteMaxTopk && top_k <= E, op, ": top_k must be in [1, min(", kRouteMaxTopk,
-           ", E)], got ", top_k);
-  KD_CHECK(n_group >= 1 && n_group <= kRouteMaxGroups && E % n_group == 0, op,
-           ": n_group must divide E and be in [1, ", kRouteMaxGroups, "], got ", n_group);
-  KD_CHECK(n_group == 1 || (E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group &&
-                            topk_group * (E / n_group) >= top_k),
-           op, ": with n_group > 1, groups need >= 2 experts and topk_group in [1, n_group] keeping >= top_k "
-           "experts, got n_group = ", n_group, ", topk_group = ", topk_group);
+  check_route_args(op, E, top_k, n_group, topk_group);
   const int64_t rows_per_chunk = std::min<int64_t>(kRows, int64_t(kSmemLimit) / (2 * H));
   KD_CHECK(rows_per_chunk >= 1, op, ": H = ", H, " is too large (at most ", kSmemLimit / 2, ")");
   const int64_t chunks = (T + rows_per_chunk - 1) / rows_per_chunk;

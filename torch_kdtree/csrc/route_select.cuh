@@ -3,6 +3,8 @@
 // router GEMV + this, in one launch).  Semantics: torch_kdtree/ops/moe_route.py.
 #pragma once
 
+#include "check.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -12,6 +14,19 @@ namespace {
 constexpr int kRouteMaxExperts = 1024;
 constexpr int kRouteMaxTopk = 32;
 constexpr int kRouteMaxGroups = 64;
+
+// The routing arguments both ops take (E experts): clear errors before any launch.
+inline void check_route_args(const char* op, int64_t E, int64_t top_k, int64_t n_group, int64_t topk_group) {
+  KD_CHECK(E >= 1 && E <= kRouteMaxExperts, op, ": E must be in [1, ", kRouteMaxExperts, "], got ", E);
+  KD_CHECK(top_k >= 1 && top_k <= kRouteMaxTopk && top_k <= E, op, ": top_k must be in [1, min(", kRouteMaxTopk,
+           ", E)], got ", top_k);
+  KD_CHECK(n_group >= 1 && n_group <= kRouteMaxGroups && E % n_group == 0, op,
+           ": n_group must divide E and be in [1, ", kRouteMaxGroups, "], got ", n_group);
+  KD_CHECK(n_group == 1 || (E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group &&
+                            topk_group * (E / n_group) >= top_k),
+           op, ": with n_group > 1, groups need >= 2 experts and topk_group in [1, n_group] keeping >= top_k "
+           "experts, got n_group = ", n_group, ", topk_group = ", topk_group);
+}
 
 struct RouteSmem {
   float score[kRouteMaxExperts];
