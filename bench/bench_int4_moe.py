@@ -16,8 +16,9 @@ where neither runs), dequant = the touched experts' compressed-tensors weights d
 bf16 with torch ops, then the same grouped matmuls (graphs of 4 calls, it is slow).  The
 baselines get the routing's sort and expert list precomputed on the host (not timed).
 eager_us is pytest-benchmark's eager call + synchronisation (Python and launches included).
-gpu_us is the default path (the four-launch grouped GEMMs); for T · k <= 32, decode_path_us times
-the same calls on the opt-in decode path (KDTREE_INT4_DECODE=1, two GEMV launches) in the same run.
+gpu_us is the default path: for T · k <= 32 the two-launch decode path (csrc/moe_decode.cu), and
+then grouped_path_us times the same calls on the four-launch grouped GEMMs (KDTREE_INT4_DECODE=0)
+in the same run; above that the grouped GEMMs.
 """
 import math
 import os
@@ -163,12 +164,12 @@ def measure(shape: str, T: int) -> dict:
         except Exception:  # grouped_mm present but not for this device / dtype
             use_grouped = False
     us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
-    decode_us = None  # decode-sized calls: the opt-in two-launch decode path, for comparison
+    grouped_us = None  # decode-sized calls: the four-launch grouped path too, for comparison
     if T * k <= 32:
         before = os.environ.get("KDTREE_INT4_DECODE")
-        os.environ["KDTREE_INT4_DECODE"] = "1"
+        os.environ["KDTREE_INT4_DECODE"] = "0"
         try:
-            decode_us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
+            grouped_us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
         finally:
             if before is None:
                 del os.environ["KDTREE_INT4_DECODE"]
@@ -182,7 +183,7 @@ def measure(shape: str, T: int) -> dict:
     nbytes = touched * expert_bytes(H, I) + 2 * T * H * 2
     gbs = nbytes / (us * 1e-6) / 1e9
     return dict(shape=shape, E=E, H=H, I=I, k=k, T=T, experts_touched=touched, mbytes=nbytes / 1e6, gpu_us=us,
-                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, decode_path_us=decode_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
+                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, grouped_path_us=grouped_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
                 dequant_us=dequant_us, speedup_vs_dequant=dequant_us / us,
                 bf16_path="grouped_mm" if use_grouped else "per-expert loop"), calls, ws
 

@@ -623,7 +623,7 @@ def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_see
 
 def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
     """(decode path, grouped-GEMM path) outputs of the same call, each checked against the reference
-    (the decode path is off unless KDTREE_INT4_DECODE=1)."""
+    (KDTREE_INT4_DECODE=1 / 0 turns the decode path on / off)."""
     monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
     dec, ref = check_against_reference(x, w, ids, tw, expert_map)
     monkeypatch.setenv("KDTREE_INT4_DECODE", "0")
@@ -640,7 +640,7 @@ def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
     (24, 1024, 512, 2, 16, 64),    # k = 16, group 64
     (16, 512, 192, 3, 6, 64),      # I / 64 odd
     (16, 640, 256, 2, 4, 128),     # group 128, H / 64 odd
-    (32, 4096, 128, 1, 4, 64),     # gate/up split over K in 4 (on a GPU with >= 112 SMs)
+    (32, 4096, 128, 1, 4, 64),     # gate/up split over K in 8 (a cluster of 8, on a GPU with >= 75 SMs)
     (16, 2048, 128, 1, 2, 128),    # K split in 4, group 128
 ])
 def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, monkeypatch, E, H, I, T, k, group):
@@ -653,6 +653,20 @@ def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, monkeyp
         # both paths round the dequantised weights and the activations to bf16 the same way;
         # only their fp32 summation orders differ
         assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("splits", ["1", "3", "8"])
+def test_cuda_decode_path_k_splits_change_only_summation_order(fresh_seed, monkeypatch, splits):
+    """gate/up's K split (a thread-block cluster of that many blocks, summed in rank order), forced
+    through KDTREE_INT4_DECODE_SPLITS; 3 splits of H / 64 = 64 tiles leave the last one short."""
+    monkeypatch.setenv("KDTREE_INT4_DECODE_SPLITS", splits)
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, 32, 4096, 256, 32)
+    x = torch.randn((2, 4096), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, 2, 8, 32)
+    dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw)
+    assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
 
 
 @requires_cuda

@@ -7,6 +7,8 @@ outside by replacing or sharding the weights.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,10 +41,11 @@ _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::m
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
-# in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off until the model's CUDA tests
-# (greedy DDTree == autoregressive) and a decode A/B have run with it on a GPU (bench/RESULTS.md,
-# run 41: the session's device time ran out first).
-_ROUTER_FUSED = False
+# in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
+# with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42: 2p2b 0.7374 vs
+# 0.7273 ms, k2_slice 0.5126 vs 0.4767 ms per step).  KDTREE_ROUTER_FUSED=1 turns it on (read at
+# import).
+_ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 
 
 class KimiK2MLP(nn.Module):

@@ -21,12 +21,13 @@
 //      weight and writes one bf16 row per (token, k) entry.
 //   4. combine: out[t] = sum_j y[t, j] in fixed order j = 0..k-1 (fp32), skipping entries
 //      whose expert is not on this rank.  No float atomics anywhere.
-// With KDTREE_INT4_DECODE=1, decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for
-// two GEMV launches (moe_decode.cu) with the same numerics (off by default: slower on the H200).
+// Decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for two GEMV launches
+// (moe_decode.cu) with the same numerics up to fp32 summation order (KDTREE_INT4_DECODE=0: not).
 // Launches after the first use programmatic dependent launch (pdl.cuh).
 // Bounds: decode sizes stream the touched experts' weights (0.5 byte per weight + 1/16 for the
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
-// No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB).
+// No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB here;
+// the decode path's gate/up takes up to 69 KB and thread-block clusters, both on sm_90 and sm_120).
 #include "check.h"
 #include "int4_mma.cuh"
 #include "moe_decode.h"
@@ -58,24 +59,13 @@ constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopk = 16;
 constexpr int kMaxSplits = 16;
 constexpr int kAlignThreads = 1024;
+constexpr int kCombineThreads = 64;  // small blocks: a decode call's H / 8 threads still spread over SMs
+constexpr int kCombineBatch = 4;     // top-k entries loaded together
 constexpr int64_t kRegionAlign = 256;
 
 // ------------------------------------------------------------------------------------------
 // PTX helpers
 // ------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; with pred false the destination is zero-filled.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred = true) {
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -475,16 +465,25 @@ __global__ void moe_combine_kernel(const bf16* __restrict__ y, const IdT* __rest
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-    for (int j = 0; j < topk; ++j) {
-      const int64_t entry = tok * topk + j;
-      if (local_expert(topk_ids, entry, emap, num_global, E) < 0) continue;
-      const int4 v = __ldcg(reinterpret_cast<const int4*>(y + entry * H) + c);
-      const bf162* h = reinterpret_cast<const bf162*>(&v);
+    for (int j0 = 0; j0 < topk; j0 += kCombineBatch) {  // a batch's loads in flight together
+      int4 v[kCombineBatch];
+      bool ok[kCombineBatch];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
+      for (int u = 0; u < kCombineBatch; ++u) {
+        const int64_t entry = tok * topk + j0 + u;
+        ok[u] = j0 + u < topk && local_expert(topk_ids, entry, emap, num_global, E) >= 0;
+        if (ok[u]) v[u] = __ldcg(reinterpret_cast<const int4*>(y + entry * H) + c);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        if (!ok[u]) continue;
+        const bf162* h = reinterpret_cast<const bf162*>(&v[u]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc[2 * i] += f.x;
+          acc[2 * i + 1] += f.y;
+        }
       }
     }
     int4 o;
@@ -689,8 +688,6 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
     a.num_global = d.num_global;
     a.group_size = group_size;
     a.act = reinterpret_cast<bf16*>(ws + w.act);
-    a.partials = reinterpret_cast<float*>(ws + w.y);  // the grouped path's y, unused here
-    a.partial_bytes = 2 * w.M * d.H;
     a.out = reinterpret_cast<bf16*>(out.data_ptr());
     int4_moe_decode(a, std::is_same_v<IdT, int64_t>);
     return;
@@ -736,8 +733,8 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   }
 
   const int64_t n = d.T * (d.H / 8);
-  const int blocks = int(std::min<int64_t>((n + 255) / 256, 65536));
-  launch_kernel(&moe_combine_kernel<IdT>, dim3(blocks), dim3(256), 0, stream, pdl, reinterpret_cast<const bf16*>(ws + w.y),
+  const int blocks = int(std::min<int64_t>((n + kCombineThreads - 1) / kCombineThreads, 65536));
+  launch_kernel(&moe_combine_kernel<IdT>, dim3(blocks), dim3(kCombineThreads), 0, stream, pdl, reinterpret_cast<const bf16*>(ws + w.y),
          ids, emap, int(d.num_global), int(d.E), d.T, int(d.topk), int(d.H), reinterpret_cast<bf16*>(out.data_ptr()));
 }
 

@@ -1,31 +1,32 @@
-// int4_moe's decode path (off unless KDTREE_INT4_DECODE=1: run 40 measured it slower than the
-// grouped path at T = 1, 2 and 4 on the H200): for a handful of (token, expert) slots (T·k <= 32)
-// the grouped GEMMs of moe.cu (align, gate/up, down, combine: four launches with a sort and a
-// padded expert block each) have nothing to share between tokens, so two GEMV launches read
-// every touched expert's weights once instead.  Same inputs, layout (ops/moe.py), workspace
-// (its act region) and numerics (bf16 dequantisation q · scale as in dequant_a, fp32 tensor-core
-// accumulation, bf16 activations, the top-k terms summed in order j = 0..k-1 in fp32).
+// int4_moe's decode path (the default; KDTREE_INT4_DECODE=0 turns it off): for a handful of (token, expert) slots (T·k <= 32) the grouped
+// GEMMs of moe.cu (align, gate/up, down, combine: four launches with a sort and a padded expert
+// block each) have nothing to share between tokens, so two GEMV launches read every touched
+// expert's weights once instead.  Same inputs, layout (ops/moe.py), workspace (its act region)
+// and numerics as the reference within fp32 summation order (bf16 dequantisation q · scale as in
+// dequant_a, fp32 tensor-core accumulation, bf16 activations).
 //
-//   1. gate/up: grid (I / 16, T·k, K splits), 8 warps.  Block = one slot, one 16-channel tile pair
-//      (gate tile 2i and up tile 2i + 1 of w13) and one K split (up to 4, when a call has few
-//      blocks; the fp32 sums then go to the workspace's y region and down's prologue adds the
-//      splits in order); warp w of the unit's W takes the k64 tiles w, w + W, ... of H, four in
-//      flight per lane (one 16-byte load per tile and lane: exactly its A fragments of four
-//      mma.m16n8k16 steps) and the tiles' scales, with x (staged in shared memory) as the B
-//      operand in all eight columns.  A fixed-order sum of
-//      the eight warps' partials in shared memory, then act[slot, 16 i + r] = bf16(silu(g) · u).
-//   2. down: grid (ceil(H / 64), T), 4 warps.  Warp = one 16-channel tile of out for one token:
-//      all of its k slots' tiles (k · I / 64 16-byte loads per lane, sixteen in flight), B = the
-//      slot's activations staged in shared memory; per k64 tile the fp32 partial times the router
-//      weight is added to the output accumulator, in slot order.
-// Programmatic dependent launch (pdl.cuh): down reads the routing (two kernels back) before its
-// wait and prefetches all of its weight tiles into L2 while gate/up runs.
+// Both kernels stream weight tiles through a per-warp ring of cp.async stages in shared memory
+// (kStages tiles in flight per warp, no registers held by loads in flight); each lane reads back
+// the 16 bytes it copied (its A fragments of four mma.m16n8k16 steps), the B operand (x or the
+// activations, staged in shared memory) fills all eight columns, and lanes t == 0 hold the dot
+// products of rows g (c[0]) and g + 8 (c[2]).
+//   1. gate/up: grid (I / 16, T·k, S) with clusters of (1, 1, S), 8 warps.  Block = one slot, one
+//      16-channel tile pair (gate tile 2i and up tile 2i + 1 of w13) and split s of H's k64 tiles
+//      (S <= 8 splits when a call has few blocks); warp w takes the split's tiles w, w + 8, ...
+//      The eight warps' sums are added in warp order, the splits' sums in rank order through the
+//      cluster's shared memory (rank 0), then act[slot, 16 i + r] = bf16(silu(g) · u).
+//   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
+//      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
+//      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
+//      order.  Before its programmatic-launch wait (pdl.cuh) it reads the routing (two kernels
+//      back) and starts its first weight copies (weights are never written by a predecessor).
 #include "moe_decode.h"
 
 #include "bf16_vec.cuh"
 #include "int4_mma.cuh"
 #include "pdl.cuh"
 #include <ATen/cuda/CUDAContext.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -34,13 +35,15 @@
 namespace kdtree {
 namespace {
 
-constexpr int kDecWarps = 8;
-constexpr int kDecThreads = kDecWarps * 32;
-constexpr int kUpInFlight = 4;    // gate/up: k64 tiles per lane in flight (x2: gate and up)
-constexpr int kMaxUpSplits = 4;
-constexpr int kDownWarps = 4;      // down: warps (16-channel output tiles) per block
-constexpr int kDownInFlight = 16;  // down: (slot, k64 tile) items per lane in flight
+namespace cg = cooperative_groups;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;       // k64 weight tiles (pairs in gate/up) in flight per warp
+constexpr int kMaxSplits = 8;    // gate/up's K splits: a portable cluster
 constexpr int kMaxTopk = 16;
+constexpr int kTileBytes = 512;  // one 16 x 64 INT4 tile: 16 bytes per lane
+constexpr int kScaleBytes = 64;  // a tile's scales over its 64 k: at most two groups of 16 bf16
 
 template <typename IdT>
 __device__ __forceinline__ int local_expert_l2(const IdT* ids, int64_t i, const int32_t* emap, int num_global, int E) {
@@ -65,202 +68,199 @@ __device__ __forceinline__ void tile_mma(const uint4& q, uint32_t sp0, uint32_t 
   }
 }
 
-// Scale-pair words of k64 tile c for k 0..31 and 32..63 (row: the lane's words of one 16-channel
-// tile, group i at word 8 i; group size 1 << gs_shift).
-__device__ __forceinline__ uint32_t scale_lo(const uint32_t* row, int c, int gs_shift) {
-  return __ldg(row + ((64 * c) >> gs_shift) * 8);
+// Copy k64 tile c of one 16-row weight tile (tile: its 16-byte units, 32 per k64 tile; scales:
+// its [groups, 16] bf16) into dst (kTileBytes of weights, then kScaleBytes of scales): every lane
+// 16 bytes of weights, lanes 0..3 (group 32: two groups) or 0..1 (one group) 16 bytes of scales.
+__device__ __forceinline__ void copy_tile(char* dst, const uint4* tile, const bf16* scales, int c, int gs_shift,
+                                          int lane) {
+  cp_async16(dst + 16 * lane, tile + 32 * c + lane);
+  const int pieces = gs_shift == 5 ? 4 : 2;
+  if (lane < pieces) cp_async16(dst + kTileBytes + 16 * lane, scales + ((64 * c) >> gs_shift) * 16 + 8 * lane);
 }
-__device__ __forceinline__ uint32_t scale_hi(const uint32_t* row, int c, int gs_shift) {
-  return __ldg(row + ((64 * c + 32) >> gs_shift) * 8);
+
+// This lane's A data and scale pairs of a tile copied by copy_tile (after the copies landed).
+struct TileRegs {
+  uint4 q;
+  uint32_t sp0, sp1;
+};
+__device__ __forceinline__ TileRegs read_tile(const char* src, int gs_shift, int lane) {
+  const uint32_t* sc = reinterpret_cast<const uint32_t*>(src + kTileBytes) + (lane >> 2);
+  return TileRegs{*reinterpret_cast<const uint4*>(src + 16 * lane), sc[0], sc[gs_shift == 5 ? 8 : 0]};
+}
+
+// Lanes t == 0 hold rows g and g + 8 of a warp's tile sums; red[warp][16 * which + row].
+__device__ __forceinline__ void stash_rows(float* red_w, const float (&acc)[4], int lane) {
+  if ((lane & 3) == 0) {
+    red_w[lane >> 2] = acc[0];
+    red_w[(lane >> 2) + 8] = acc[2];
+  }
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(kDecThreads)
+__global__ void __launch_bounds__(kThreads)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
-                      int I, int gs_shift, int topk, bf16* __restrict__ act, float* __restrict__ partials) {
-  extern __shared__ __align__(16) uint32_t s_x[];  // [H / 2] bf16 pairs: the slot's token
-  __shared__ float red[kDecWarps][2][16];
+                      int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act) {
+  extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][2 tiles] | x of this split
+  __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
+  __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
   pdl_wait();  // the routing and x come from earlier kernels
   pdl_launch_dependents();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tp = blockIdx.x, slot = blockIdx.y, ks = blockIdx.z, nks = gridDim.z;
-  const int gw = ks * kDecWarps + warp, nw = nks * kDecWarps;  // this warp among the unit's warps
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int tp = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
+  const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
+  const int c0 = split * chunks_per_split, c1 = min(KC, c0 + chunks_per_split);
+  const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
-  float cg[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
+  constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
+  char* ring = smem + warp * kStages * kPair;
+  uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kStages * kPair);
+  float cg_[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
   if (e >= 0) {  // block-uniform
-    const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
-    const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32 + lane;  // tile (e, 2 tp, c) at + 32 c
+    const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32;  // tile (e, 2 tp); up = 2 tp + 1
     const uint4* wu = wg + int64_t(KC) * 32;
-    const uint32_t* sg = reinterpret_cast<const uint32_t*>(w13s + (int64_t(e) * MT + 2 * tp) * G * 16) + g;
-    const uint32_t* su = sg + int64_t(G) * 8;
-    // the first tiles' weights and scales in flight while x is staged
-    auto load = [&](int c0, uint4 (&qg)[kUpInFlight], uint4 (&qu)[kUpInFlight], uint32_t (&sc)[kUpInFlight][4]) {
-#pragma unroll
-      for (int u = 0; u < kUpInFlight; ++u) {
-        const int c = c0 + nw * u;
-        if (c < KC) {
-          qg[u] = ld_stream(wg + 32 * c);
-          qu[u] = ld_stream(wu + 32 * c);
-          sc[u][0] = scale_lo(sg, c, gs_shift);
-          sc[u][1] = scale_hi(sg, c, gs_shift);
-          sc[u][2] = scale_lo(su, c, gs_shift);
-          sc[u][3] = scale_hi(su, c, gs_shift);
-        }
+    const bf16* sg = w13s + (int64_t(e) * MT + 2 * tp) * G * 16;
+    const bf16* su = sg + int64_t(G) * 16;
+    auto issue = [&](int i) {  // the warp's i-th tile pair into stage i % kStages
+      if (i < n) {
+        const int c = c0 + warp + kWarps * i;
+        char* d = ring + (i % kStages) * kPair;
+        copy_tile(d, wg, sg, c, gs_shift, lane);
+        copy_tile(d + kTileBytes + kScaleBytes, wu, su, c, gs_shift, lane);
       }
+      cp_async_commit();
     };
-    uint4 qg[kUpInFlight], qu[kUpInFlight];
-    uint32_t sc[kUpInFlight][4];
-    load(gw, qg, qu, sc);
-    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H);
-    for (int i = threadIdx.x; i < H / 8; i += kDecThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
+    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H + 64 * c0);
+    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
     __syncthreads();
-    for (int c0 = gw; c0 < KC; c0 += nw * kUpInFlight) {
-      if (c0 != gw) load(c0, qg, qu, sc);
-#pragma unroll
-      for (int u = 0; u < kUpInFlight; ++u) {
-        const int c = c0 + nw * u;
-        if (c < KC) {
-          const uint32_t* xc = s_x + 32 * c + t;
-          auto load_b = [&](int w) { return xc[w]; };
-          tile_mma(qg[u], sc[u][0], sc[u][1], load_b, cg);
-          tile_mma(qu[u], sc[u][2], sc[u][3], load_b, cu);
-        }
-      }
+    for (int i = 0; i < n; ++i) {
+      issue(i + kStages - 1);
+      cp_async_wait<kStages - 1>();  // the warp's tile pair i has landed (every lane's copies, after the sync)
+      __syncwarp();
+      const char* d = ring + (i % kStages) * kPair;
+      const TileRegs rg = read_tile(d, gs_shift, lane), ru = read_tile(d + kTileBytes + kScaleBytes, gs_shift, lane);
+      const uint32_t* xc = s_x + 32 * (warp + kWarps * i) + t;
+      auto load_b = [&](int w) { return xc[w]; };
+      tile_mma(rg.q, rg.sp0, rg.sp1, load_b, cg_);
+      tile_mma(ru.q, ru.sp0, ru.sp1, load_b, cu);
+      __syncwarp();  // every lane has read the stage before the next issue overwrites it
     }
   }
-  // every column of C holds the same dot products: lanes t == 0 hold rows g (c[0]) and g + 8 (c[2])
-  if (t == 0) {
-    red[warp][0][g] = cg[0];
-    red[warp][0][g + 8] = cg[2];
-    red[warp][1][g] = cu[0];
-    red[warp][1][g + 8] = cu[2];
-  }
+  stash_rows(red[warp], cg_, lane);
+  stash_rows(red[warp] + 16, cu, lane);
   __syncthreads();
-  if (threadIdx.x < 16) {
-    float gv = 0.f, uv = 0.f;
+  if (threadIdx.x < 32) {
+    float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) {
-      gv += red[w][0][threadIdx.x];
-      uv += red[w][1][threadIdx.x];
-    }
-    if (nks == 1) {
-      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(gv / (1.f + __expf(-gv)) * uv);
-    } else {  // K split: this block's sums; down adds the splits in order
-      float* pp = partials + (int64_t(ks) * gridDim.y + slot) * 2 * I + 32 * tp + threadIdx.x;
-      pp[0] = gv;
-      pp[16] = uv;
-    }
+    for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
+    part[threadIdx.x] = v;
   }
+  const int splits = gridDim.z;
+  if (splits == 1) {
+    __syncwarp();
+    if (threadIdx.x < 16) {
+      const float g = part[threadIdx.x], u = part[threadIdx.x + 16];
+      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+    }
+    return;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's sums are in its shared memory
+  if (cluster.block_rank() == 0 && threadIdx.x < 16) {
+    float g = 0.f, u = 0.f;
+    for (int r = 0; r < splits; ++r) {
+      const float* p = cluster.map_shared_rank(part, r);
+      g += p[threadIdx.x];
+      u += p[threadIdx.x + 16];
+    }
+    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+  }
+  cluster.sync();  // no block exits while rank 0 may still read its shared memory
 }
 
 template <typename IdT>
-__global__ void __launch_bounds__(kDownWarps * 32)
-int4_decode_down_kernel(const bf16* __restrict__ act, const float* __restrict__ partials, int nks,
-                        const uint4* __restrict__ w2q, const bf16* __restrict__ w2s, const IdT* __restrict__ ids,
-                        const float* __restrict__ topk_weights, const int32_t* __restrict__ emap, int num_global,
-                        int E, int H, int I, int gs_shift, int topk, bf16* __restrict__ out) {
-  extern __shared__ __align__(16) uint32_t s_act[];  // [topk][I / 2] bf16 pairs: this token's activations
+__global__ void __launch_bounds__(kThreads)
+int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ w2q, const bf16* __restrict__ w2s,
+                        const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
+                        const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
+                        bf16* __restrict__ out) {
+  extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int tok = blockIdx.y, m = blockIdx.x * kDownWarps + warp;
+  __shared__ float red[kWarps][16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int tok = blockIdx.y, m = blockIdx.x;
   const int MT = H / 16, KC = I / 64, G = I >> gs_shift;
+  constexpr int kStage = kTileBytes + kScaleBytes;
+  char* ring = smem + warp * kStages * kStage;
+  uint32_t* s_act = reinterpret_cast<uint32_t*>(smem + kWarps * kStages * kStage);
   // Before gate/up is done: the routing (two kernels back, complete once gate/up let this grid
-  // launch; read through L2) and this warp's weight tiles into L2.
+  // launch; read through L2) and the first weight copies.
   if (threadIdx.x < topk) {
     const int e = local_expert_l2(ids, int64_t(tok) * topk + threadIdx.x, emap, num_global, E);
     s_e[threadIdx.x] = e;
     s_w[threadIdx.x] = e >= 0 ? __ldcg(topk_weights + int64_t(tok) * topk + threadIdx.x) : 0.f;
   }
   __syncthreads();
-  if (m < MT) {
-    for (int j = 0; j < topk; ++j)
-      if (s_e[j] >= 0) l2_prefetch_range(w2q + (int64_t(s_e[j]) * MT + m) * KC * 32, int64_t(KC) * 512, lane);
-  }
+  const int items = topk * KC;  // (slot j, k64 tile c) = item j · KC + c
+  const int n = items > warp ? (items - warp + kWarps - 1) / kWarps : 0;
+  auto issue = [&](int i) {
+    if (i < n) {
+      const int item = warp + kWarps * i, j = item / KC, e = s_e[j];
+      if (e >= 0)
+        copy_tile(ring + (i % kStages) * kStage, w2q + (int64_t(e) * MT + m) * KC * 32,
+                  w2s + (int64_t(e) * MT + m) * G * 16, item - j * KC, gs_shift, lane);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
   pdl_wait();
   pdl_launch_dependents();
-  const int words = topk * (I / 2);
-  if (nks == 1) {
-    const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
-    for (int i = threadIdx.x; i < words / 4; i += kDownWarps * 32) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
-  } else {  // sum gate/up's K splits in order, then silu(g) · u; unit = 4 channels of a slot
-    const int slots = gridDim.y * topk, units = topk * (I / 4);
-    for (int i = threadIdx.x; i < units; i += kDownWarps * 32) {
-      const int j = i / (I / 4), ch = 4 * (i - j * (I / 4));  // channels ch .. ch + 3 of slot j
-      const float* pp = partials + int64_t(tok * topk + j) * 2 * I + 32 * (ch / 16) + ch % 16;
-      float4 gs[kMaxUpSplits], us[kMaxUpSplits];
-#pragma unroll
-      for (int q = 0; q < kMaxUpSplits; ++q)
-        if (q < nks) {
-          const float* p = pp + int64_t(q) * slots * 2 * I;
-          gs[q] = __ldcg(reinterpret_cast<const float4*>(p));
-          us[q] = __ldcg(reinterpret_cast<const float4*>(p + 16));
-        }
-      float4 g = gs[0], u = us[0];
-#pragma unroll
-      for (int q = 1; q < kMaxUpSplits; ++q)
-        if (q < nks) {
-          g.x += gs[q].x, g.y += gs[q].y, g.z += gs[q].z, g.w += gs[q].w;
-          u.x += us[q].x, u.y += us[q].y, u.z += us[q].z, u.w += us[q].w;
-        }
-      const __nv_bfloat162 v0 = __floats2bfloat162_rn(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y);
-      const __nv_bfloat162 v1 = __floats2bfloat162_rn(g.z / (1.f + __expf(-g.z)) * u.z, g.w / (1.f + __expf(-g.w)) * u.w);
-      s_act[2 * i] = *reinterpret_cast<const uint32_t*>(&v0);
-      s_act[2 * i + 1] = *reinterpret_cast<const uint32_t*>(&v1);
-    }
-  }
+  const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
+  for (int i = threadIdx.x; i < topk * I / 8; i += kThreads) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
   __syncthreads();
-  if (m >= MT) return;
-
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const int items = topk * KC;  // (slot j, k64 tile c) in slot order
-  for (int n0 = 0; n0 < items; n0 += kDownInFlight) {
-    uint4 q[kDownInFlight];
-    uint32_t sp[kDownInFlight][2];
+  for (int i = 0; i < n; ++i) {
+    issue(i + kStages - 1);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const int item = warp + kWarps * i, j = item / KC;
+    if (s_e[j] >= 0) {
+      const TileRegs r = read_tile(ring + (i % kStages) * kStage, gs_shift, lane);
+      const uint32_t* ac = s_act + j * (I / 2) + 32 * (item - j * KC) + t;
+      float p[4] = {0.f, 0.f, 0.f, 0.f};
+      tile_mma(r.q, r.sp0, r.sp1, [&](int w) { return ac[w]; }, p);
 #pragma unroll
-    for (int u = 0; u < kDownInFlight; ++u) {
-      const int n = n0 + u;
-      if (n < items) {
-        const int j = n / KC, c = n - j * KC, e = s_e[j];
-        if (e >= 0) {
-          q[u] = ld_stream(w2q + ((int64_t(e) * MT + m) * KC + c) * 32 + lane);
-          const uint32_t* srow = reinterpret_cast<const uint32_t*>(w2s + (int64_t(e) * MT + m) * G * 16) + g;
-          sp[u][0] = scale_lo(srow, c, gs_shift);
-          sp[u][1] = scale_hi(srow, c, gs_shift);
-        }
-      }
+      for (int q = 0; q < 4; ++q) acc[q] = fmaf(s_w[j], p[q], acc[q]);
     }
-#pragma unroll
-    for (int u = 0; u < kDownInFlight; ++u) {
-      const int n = n0 + u;
-      if (n < items) {
-        const int j = n / KC, c = n - j * KC, e = s_e[j];
-        if (e >= 0) {
-          const uint32_t* ac = s_act + j * (I / 2) + 32 * c + t;
-          float part[4] = {0.f, 0.f, 0.f, 0.f};
-          tile_mma(q[u], sp[u][0], sp[u][1], [&](int w) { return ac[w]; }, part);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[r] = fmaf(s_w[j], part[r], acc[r]);
-        }
-      }
-    }
+    __syncwarp();
   }
-  if (t == 0) {
-    bf16* o = out + int64_t(tok) * H + 16 * m + g;
-    o[0] = __float2bfloat16(acc[0]);
-    o[8] = __float2bfloat16(acc[2]);
+  stash_rows(red[warp], acc, lane);
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
+    out[int64_t(tok) * H + 16 * m + threadIdx.x] = __float2bfloat16(v);
   }
 }
 
-// gate/up's K split: about two blocks per SM in all (a unit = a slot's 32 w13 channels), at most
-// kMaxUpSplits, at least 8 k64 tiles per split's warps, and the fp32 partials must fit the
-// workspace region given to them (partial_bytes).
+// gate/up's K splits: about three blocks per SM in all (a unit = a slot's 32 w13 channels), at most
+// a portable cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n
+// instead (tuning runs; the same bounds apply).
 int up_splits(const Int4DecodeArgs& a, int sms) {
   const int64_t units = a.I / 16 * a.T * a.topk;
-  int64_t ks = std::min<int64_t>({kMaxUpSplits, (2 * sms + units / 2) / units, a.H / 64 / kDecWarps});
-  while (ks > 1 && ks * a.T * a.topk * 2 * a.I * 4 > a.partial_bytes) --ks;
-  return int(std::max<int64_t>(ks, 1));
+  int64_t want = (3 * sms + units - 1) / units;
+  if (const char* env = std::getenv("KDTREE_INT4_DECODE_SPLITS")) want = std::atoi(env);
+  return int(std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, want, a.H / 64 / kWarps})));
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 template <typename IdT>
@@ -268,15 +268,18 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const IdT* ids = static_cast<const IdT*>(a.topk_ids);
   const int T = int(a.T), k = int(a.topk), H = int(a.H), I = int(a.I), E = int(a.E), ng = int(a.num_global),
             gs_shift = a.group_size == 32 ? 5 : a.group_size == 64 ? 6 : 7;
-  const int nks = up_splits(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  launch_kernel(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k), unsigned(nks)),
-                dim3(kDecThreads), size_t(H) * 2, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
-                gs_shift, k, a.act, a.partials);
-  const size_t smem = size_t(k) * I * 2;
-  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned((H / 16 + kDownWarps - 1) / kDownWarps), unsigned(T)),
-                dim3(kDownWarps * 32), smem, stream, pdl, static_cast<const bf16*>(a.act),
-                static_cast<const float*>(a.partials), nks, a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I,
-                gs_shift, k, a.out);
+  const int splits = up_splits(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int KC = H / 64, per_split = (KC + splits - 1) / splits;
+  const size_t up_smem = size_t(kWarps) * kStages * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
+  allow_smem(&int4_decode_up_kernel<IdT>, up_smem);
+  launch_kernel_ex(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k), unsigned(splits)),
+                   dim3(kThreads), dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids,
+                   a.emap, ng, E, H, I, gs_shift, k, per_split, a.act);
+  const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2;
+  allow_smem(&int4_decode_down_kernel<IdT>, down_smem);
+  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream,
+                pdl, static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I, gs_shift,
+                k, a.out);
 }
 
 }  // namespace

@@ -9,9 +9,9 @@
 namespace kdtree {
 
 constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
-// Off without KDTREE_INT4_DECODE=1: on the H200 the grouped path was faster for the K2 TP-8 rank
-// at T = 1 and 2 (25.9 vs 35.7 us, 37.9 vs 40.8 us; bench/RESULTS.md run 40).
-constexpr bool kInt4DecodeDefault = false;
+// On unless KDTREE_INT4_DECODE=0: on the H200 it beat the grouped path for the K2 TP-8 rank at
+// T = 1, 2 and 4 (17.9 vs 25.2, 28.2 vs 36.9, 44.3 vs 55.4 us; bench/RESULTS.md run 43).
+constexpr bool kInt4DecodeDefault = true;
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
 struct Int4DecodeArgs {
@@ -25,8 +25,6 @@ struct Int4DecodeArgs {
   const int32_t* emap;        // [num_global] or null
   int64_t T, topk, H, I, E, num_global, group_size;
   __nv_bfloat16* act;         // [T · topk, I] (the workspace's act region)
-  float* partials;            // gate/up's K-split partial sums (the workspace's y region)
-  int64_t partial_bytes;      // its size
   __nv_bfloat16* out;         // [T, H]
 };
 
