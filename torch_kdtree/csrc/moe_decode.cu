@@ -12,8 +12,8 @@
 // products of rows g (c[0]) and g + 8 (c[2]).
 //   1. gate/up: grid (I / 16, T·k, S) with clusters of (1, 1, S), 8 warps.  Block = one slot, one
 //      16-channel tile pair (gate tile 2i and up tile 2i + 1 of w13) and split s of H's k64 tiles
-//      (S <= 8 splits when a call has few blocks); warp w takes the split's tiles w, w + 8, ...
-//      The eight warps' sums are added in warp order, the splits' sums in rank order through the
+//      (S <= 8 splits, only when a call has fewer units than half the SMs); warp w takes the
+//      split's tiles w, w + 8, ...  The eight warps' sums are added in warp order, the splits' sums in rank order through the
 //      cluster's shared memory (rank 0), then act[slot, 16 i + r] = bf16(silu(g) · u).
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
@@ -248,12 +248,14 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   }
 }
 
-// gate/up's K splits: about three blocks per SM in all (a unit = a slot's 32 w13 channels), at most
-// a portable cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n
-// instead (tuning runs; the same bounds apply).
+// gate/up's K splits (a unit = a slot's 32 w13 channels): none while there are at least half as
+// many units as SMs (run 43, K2 TP-8 rank: 15.5 us at T 1 unsplit, 17.6 in 4 splits, 21.4 in 2;
+// unsplit as fast or faster at T 2 and 4), else about one block per SM; at most a portable
+// cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n instead
+// (tuning runs and tests; the same bounds apply).
 int up_splits(const Int4DecodeArgs& a, int sms) {
   const int64_t units = a.I / 16 * a.T * a.topk;
-  int64_t want = (3 * sms + units - 1) / units;
+  int64_t want = 2 * units >= sms ? 1 : (sms + units - 1) / units;
   if (const char* env = std::getenv("KDTREE_INT4_DECODE_SPLITS")) want = std::atoi(env);
   return int(std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, want, a.H / 64 / kWarps})));
 }
