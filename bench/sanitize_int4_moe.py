@@ -7,7 +7,8 @@ Covers the K2 hidden size (H = 7168) with I = 256 on a few experts: the decode p
 cp.async rings, gate/up K splits reduced through a thread-block cluster; once with an expert map
 and int64 ids), the grouped GEMMs with block_size 32 and 64 (T·k > 32), an expert map, int64 ids,
 and the repack.
-Exits non-zero if a result is off (relative error > 1e-2 against the reference).
+Exits non-zero if a result is off (relative error > 1e-2 against the reference).  With
+``--decode-only`` it runs only the decode-path calls (racecheck is slow on the grouped GEMMs).
 """
 import math
 import os
@@ -34,9 +35,11 @@ def main():
     emap = torch.full((20,), -1, dtype=torch.int32, device="cuda")
     emap[torch.randperm(20, generator=gen, device="cuda")[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
     ok = True
-    for T, k, block_size, k_splits, use_map, long_ids in [(3, 8, 8, 7, False, False), (1, 8, 8, 7, True, True),
-                                                          (37, 8, 32, 1, True, True),
-                                                          (70, 4, 64, 2, False, False)]:
+    cases = [(3, 8, 8, 7, False, False), (1, 8, 8, 7, True, True), (37, 8, 32, 1, True, True),
+             (70, 4, 64, 2, False, False)]
+    if "--decode-only" in sys.argv:
+        cases = [c for c in cases if c[0] * c[1] <= 32]
+    for T, k, block_size, k_splits, use_map, long_ids in cases:
         num_global = 20 if use_map else E
         x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
         ids = torch.rand((T, num_global), generator=gen, device="cuda").argsort(1)[:, :k].contiguous()

@@ -249,7 +249,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
 }
 
 // gate/up's K splits (a unit = a slot's 32 w13 channels): none while there are at least half as
-// many units as SMs (run 43, K2 TP-8 rank: 15.5 us at T 1 unsplit, 17.6 in 4 splits, 21.4 in 2;
+// many units as SMs (run 44, K2 TP-8 rank: 15.5 us at T 1 unsplit, 17.6 in 4 splits, 21.4 in 2;
 // unsplit as fast or faster at T 2 and 4), else about one block per SM; at most a portable
 // cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n instead
 // (tuning runs and tests; the same bounds apply).

@@ -10,7 +10,7 @@ namespace kdtree {
 
 constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
 // On unless KDTREE_INT4_DECODE=0: on the H200 it beat the grouped path for the K2 TP-8 rank at
-// T = 1, 2 and 4 (17.9 vs 25.2, 28.2 vs 36.9, 44.3 vs 55.4 us; bench/RESULTS.md run 43).
+// T = 1, 2 and 4 (15.7 vs 25.1, 24.8 vs 37.2, 45.1 vs 55.5 us; bench/RESULTS.md run 45).
 constexpr bool kInt4DecodeDefault = true;
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 

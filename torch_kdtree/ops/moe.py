@@ -21,11 +21,11 @@ Kernel layout (the same on every device, so repacked weights may be moved or sav
   warp holds both halves of SiLU(gate) * up in its registers.
 
 The CPU kernels are the pure-torch references below; the CUDA kernels live in csrc/moe.cu
-(four launches per call: align, gate/up GEMM, down GEMM, combine).  csrc/moe_decode.cu holds an
-alternative for decode-sized calls (T · k <= 32, H and k · I at most 16 K values; chosen from
-shapes only): two GEMV launches that read each touched expert once.  It is off unless the
-environment sets ``KDTREE_INT4_DECODE=1``: on the H200 it was slower than the grouped GEMMs for
-the K2 TP-8 rank (35.7 vs 25.9 µs at T = 1, level at T = 4; bench/RESULTS.md run 40).  Both paths
+(four launches per call: align, gate/up GEMM, down GEMM, combine).  Decode-sized calls (T · k <=
+32, H and k · I at most 16 K values; chosen from shapes only) take csrc/moe_decode.cu instead:
+two GEMV launches that read each touched expert once (on the H200, for the K2 TP-8 rank, 15.7 vs
+25.1 µs at T = 1 and 45.1 vs 55.5 µs at T = 4; bench/RESULTS.md run 45).  The environment
+variable ``KDTREE_INT4_DECODE=0`` sends them to the grouped GEMMs (A/B runs, tests).  Both paths
 chain their launches with programmatic dependent launch unless the environment sets
 ``KDTREE_PDL=0``.
 """
