@@ -1,5 +1,5 @@
-// 16-byte vectors of eight bf16 values: streaming weight loads and fp32 dot products, shared by the
-// GEMV kernels (moe_gemv.cu, gemv.cu).
+// 16-byte vectors of eight bf16 values: streaming weight loads, fp32 dot products and SwiGLU, shared
+// by the GEMV kernels (moe_gemv.cu, gemv.cu, moe_decode.cu) and the INT4 grouped GEMMs (moe.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,6 +36,9 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// silu(g) · u in fp32 (the SwiGLU product of every MLP and expert kernel).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 }  // namespace
 }  // namespace kdtree

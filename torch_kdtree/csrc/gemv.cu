@@ -91,7 +91,6 @@ __device__ __forceinline__ uint4 norm8(uint4 x, uint4 g, float r) {
 }
 
 // bf16(silu(g) · u) for the 8 values, in fp32.
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 __device__ __forceinline__ uint32_t swiglu2(uint32_t g, uint32_t u) {
   return pack_bf16(silu_mul(bf16_lo(g), bf16_lo(u)), silu_mul(bf16_hi(g), bf16_hi(u)));
 }

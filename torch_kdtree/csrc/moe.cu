@@ -28,6 +28,7 @@
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
 // No wgmma, no TMA, no L2 cache hints: the same code runs on sm_90 and sm_120 (smem <= 51 KB here;
 // the decode path's gate/up takes up to 69 KB and thread-block clusters, both on sm_90 and sm_120).
+#include "bf16_vec.cuh"
 #include "check.h"
 #include "int4_mma.cuh"
 #include "moe_decode.h"
@@ -419,7 +420,7 @@ moe_gemm_kernel(const GemmArgs p) {
         const int col = nt * 8 + 2 * t + (r & 1);
         const int ch = warp * 16 + g + 8 * (r >> 1);
         const float gv = acc[0][nt][r], uv = acc[1][nt][r];
-        so[col * S::kGatePitch + ch] = __float2bfloat16(gv / (1.f + __expf(-gv)) * uv);
+        so[col * S::kGatePitch + ch] = __float2bfloat16(silu_mul(gv, uv));
       }
     __syncthreads();
     const int I = p.N / 2;

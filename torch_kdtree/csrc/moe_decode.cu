@@ -162,7 +162,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     __syncwarp();
     if (threadIdx.x < 16) {
       const float g = part[threadIdx.x], u = part[threadIdx.x + 16];
-      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(silu_mul(g, u));
     }
     return;
   }
@@ -175,7 +175,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
       g += p[threadIdx.x];
       u += p[threadIdx.x + 16];
     }
-    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(silu_mul(g, u));
   }
   cluster.sync();  // no block exits while rank 0 may still read its shared memory
 }

@@ -98,7 +98,7 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   if (lane == 0) {
     const float gb = round_bf16(g), ub = round_bf16(u);
     const int64_t at = is_shared ? int64_t(T) * k * I + int64_t(t) * Is + i : int64_t(slot) * I + i;
-    act[at] = __float2bfloat16(gb / (1.f + __expf(-gb)) * ub);
+    act[at] = __float2bfloat16(silu_mul(gb, ub));
   }
 }
 
