@@ -495,7 +495,9 @@ def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
     experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
     model = model.to(torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
-    assert gate.weight.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
+    # The router weight follows the model (K2 ships it in bf16; logits are fp32 products of it).
+    assert gate.weight.dtype == torch.bfloat16
+    assert gate.e_score_correction_bias.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
     model = model.float()
@@ -514,13 +516,17 @@ def decode_step(model, cache, tokens, positions, visible):
     return logits
 
 
-@pytest.mark.parametrize("gemv_form", [False, True], ids=["module_calls", "gemv_form"])
+@pytest.mark.parametrize("gemv_form", [False, True, "prepare_op"], ids=["module_calls", "gemv_form", "prepare_op"])
 def test_decode_step_compiles_fullgraph_and_matches_eager(gemv_form, monkeypatch):
     """gemv_form: the CUDA-only decode forms (gemv.py linears and router, the experts' per-row
-    GEMVs) forced on, so their code runs traced here too."""
-    if gemv_form:
+    GEMVs) forced on, so their code runs traced here too; prepare_op: the attention query from
+    kdtree::mla_prepare (its reference here), which writes the cache in place."""
+    if gemv_form is True:
         from torch_kdtree.models.kimi_k2 import gemv
         monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
+    if gemv_form == "prepare_op":
+        from torch_kdtree.models.kimi_k2 import modeling
+        monkeypatch.setattr(modeling, "_MLA_PREPARE", "always")
     model = make_model(20)
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 8)]

@@ -20,6 +20,7 @@ shard) are read from weight shapes, so TP is applied from outside.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -29,19 +30,28 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from torch_kdtree.ops import mla_tree_attention
+from torch_kdtree.ops import mla_prepare, mla_tree_attention
 
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
-from .gemv import fused_gemv, linear, use_fused, use_gemv_rows
+from .gemv import fused_gemv, linear, plain_bf16, use_fused, use_gemv_rows
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
 LATENT_NORM_EPS = 1e-6
+
+# kdtree::mla_prepare in tree passes (KimiK2Attention.prepare_op_ok): "auto" (default: CUDA, bf16,
+# at most PREPARE_ROWS tokens), "0" (never: the torch ops) or "always" (also on CPU, where the op
+# runs its reference; tests).  Read at import, a constant for torch.compile.
+_MLA_PREPARE = os.environ.get("KDTREE_MLA_PREPARE", "auto")
+if _MLA_PREPARE not in ("auto", "0", "always"):
+    raise ValueError(f"KDTREE_MLA_PREPARE must be auto, 0 or always, got {_MLA_PREPARE!r}")
+_HAS_MLA_PREPARE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_prepare", "CUDA")
+PREPARE_ROWS = 32  # tokens per tree pass (R * N): the kernel re-reads W_UK from L2 per four tokens
 
 
 class KimiK2RMSNorm(nn.Module):
@@ -174,22 +184,25 @@ class KimiK2Attention(nn.Module):
         hooked = self._forward_hooks or self._forward_pre_hooks  # a wrapper expecting normalised input
         return not hooked and use_fused(h, norm, self.kv_a_proj_with_mqa, self.o_proj, *projections)
 
-    def _project(self, x, cos, sin, norm=None):
-        """x [R, T, H] -> q_nope [R, T, h, 128], rotated q_rope [R, T, h, 64], and the cache
-        entries ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, 576].  With ``norm`` (the fused
-        path, :meth:`fused_ok`) x is the residual stream and ``norm`` runs inside the kernel of
-        the projections that read it."""
+    def _projections(self, x, norm=None):
+        """x [R, T, H] -> q [R, T, h * (dn + dr)] (q_b_proj or q_proj) and ckv [R, T, dc + dr]
+        (kv_a_proj_with_mqa).  With ``norm`` (the fused path, :meth:`fused_ok`) x is the residual
+        stream and ``norm`` runs inside the kernel of the projections that read it."""
         if norm is not None:
             first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
             q, ckv = fused_gemv(x, [first.weight, self.kv_a_proj_with_mqa.weight], norm.weight, norm.eps)
             if not hasattr(self, "q_proj"):
                 (q,) = fused_gemv(q, [self.q_b_proj.weight], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+            return q, ckv
+        if hasattr(self, "q_proj"):
+            q = linear(self.q_proj, x)
         else:
-            if hasattr(self, "q_proj"):
-                q = linear(self.q_proj, x)
-            else:
-                q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
-            ckv = linear(self.kv_a_proj_with_mqa, x)
+            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
+        return q, linear(self.kv_a_proj_with_mqa, x)
+
+    def _rotate(self, x, q, ckv, cos, sin):
+        """(q, ckv) -> q_nope [R, T, h, dn], rotated q_rope [R, T, h, dr], and the cache entries
+        ``[kv_a_layernorm(c) | rope(k_rope)]`` [R, T, dc + dr]."""
         q = q.view(*x.shape[:-1], -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos[..., None, :], sin[..., None, :], self.rope_interleave)
@@ -209,10 +222,10 @@ class KimiK2Attention(nn.Module):
         ``x + attention(norm(x))``, with the norm and the residual add inside the GEMV kernels."""
         if norm is not None and not isinstance(batch, _Tree):
             raise ValueError("KimiK2Attention: the fused norm / residual path is for tree passes only")
-        q_nope, q_rope, latent = self._project(x, cos, sin, norm)
+        q, ckv = self._projections(x, norm)
         if isinstance(batch, _Tree):
-            return self._absorbed(x, q_nope, q_rope, latent, batch, layer_idx, residual=x if norm is not None else None)
-        return self._expanded(x, q_nope, q_rope, latent, batch, layer_idx)
+            return self._absorbed(x, q, ckv, cos, sin, batch, layer_idx, residual=x if norm is not None else None)
+        return self._expanded(x, *self._rotate(x, q, ckv, cos, sin), batch, layer_idx)
 
     def _expanded(self, x, q_nope, q_rope, latent, batch: _Prefill, layer_idx):
         """Non-absorbed prefill: K/V per head from the latents of cache positions 0..S-1 (or of
@@ -232,24 +245,47 @@ class KimiK2Attention(nn.Module):
                                              attn_mask=batch.mask, scale=self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, heads * self.v_head_dim))
 
-    def _absorbed(self, x, q_nope, q_rope, latent, batch: _Tree, layer_idx, residual=None):
+    def prepare_op_ok(self, q: torch.Tensor, cache: KimiK2Cache) -> bool:
+        """Whether a tree pass computes the attention query with one ``kdtree::mla_prepare`` launch
+        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption): ``KDTREE_MLA_PREPARE`` is
+        ``always``, or unset / ``auto`` with the CUDA kernel built, q bf16 on CUDA with at most
+        PREPARE_ROWS tokens, a bf16 cache and plain bf16 kv_b_proj / kv_a_layernorm weights (no
+        DTensor, no hooks) of the kernel's sizes.  ``0`` keeps the torch ops (A/B runs)."""
+        if _MLA_PREPARE == "always":
+            return True
+        if _MLA_PREPARE != "auto" or not _HAS_MLA_PREPARE_CUDA:
+            return False
+        rows = q.numel() // q.shape[-1]
+        return (q.is_cuda and q.dtype == torch.bfloat16 and cache.kv.dtype == torch.bfloat16 and rows <= PREPARE_ROWS
+                and plain_bf16(self.kv_b_proj, self.kv_a_layernorm) and self.kv_lora_rank % 256 == 0
+                and self.kv_lora_rank <= 1024 and self.qk_nope_head_dim <= 256 and self.qk_rope_head_dim % 8 == 0
+                and self.qk_rope_head_dim <= 256)
+
+    def _absorbed(self, x, q, ckv, cos, sin, batch: _Tree, layer_idx, residual=None):
         """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
         d_v 512), out = o_lat W_UV^T, o_proj (plus ``residual`` in o_proj's kernel, if given)."""
         R, N = x.shape[:2]
         cache = batch.cache
-        cache.write(layer_idx, batch.slots, latent)
         w_uk, w_uv = self._kv_b()
-        # Decode-sized and compiled on CUDA: the per-head products as multiply + sum, which inductor
-        # emits as reduction kernels fused with their neighbours (no copy of q_nope, no batched GEMM).
-        gemv_form = use_gemv_rows(R * N, x, w_uk)
-        if gemv_form:
-            q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
+        if self.prepare_op_ok(q, cache):
+            M = R * N
+            heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
+            q = mla_prepare(q.reshape(M, heads, -1), ckv.reshape(M, -1), cos.reshape(M, -1), sin.reshape(M, -1),
+                            self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.kv_b_proj.weight, cache.kv,
+                            layer_idx, batch.slots.reshape(M), self.rope_interleave).view(R, N, heads, -1)
         else:
-            q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
-        q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
+            q_nope, q_rope, latent = self._rotate(x, q, ckv, cos, sin)
+            cache.write(layer_idx, batch.slots, latent)
+            # Decode-sized and compiled on CUDA: the per-head products as multiply + sum, which inductor
+            # emits as reduction kernels fused with their neighbours (no copy of q_nope, no batched GEMM).
+            if use_gemv_rows(R * N, x, w_uk):
+                q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
+            else:
+                q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
+            q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale)
-        if gemv_form:
+        if use_gemv_rows(R * N, x, w_uv):
             out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
         else:
             out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
@@ -291,7 +327,7 @@ class KimiK2PreTrainedModel(PreTrainedModel):
     config_class = KimiK2Config
     base_model_prefix = "model"
     _no_split_modules = ["KimiK2DecoderLayer"]
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
     _supports_sdpa = True
 
     @torch.no_grad()

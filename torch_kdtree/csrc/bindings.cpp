@@ -35,6 +35,12 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
         " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
 
+  // RoPE, kv_a_layernorm, the cache write (in place, at kv_cache[layer] and the flat slots) and the
+  // W_UK absorption of a decode / tree-verify pass: the query [M, h, dc + dr] of mla_tree_attention
+  // (ops/mla_prepare.py, csrc/mla_prepare.cu).
+  m.def("mla_prepare(Tensor q, Tensor ckv, Tensor cos, Tensor sin, Tensor norm_weight, float eps,"
+        " Tensor w_kv_b, Tensor(a!) kv_cache, int layer, Tensor slots, bool interleave) -> Tensor");
+
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
   // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the
   // kernel's fragment layout: qweight int32 [E, N/16, K/64, 128], scales bf16 [E, N/16, K/group, 16].

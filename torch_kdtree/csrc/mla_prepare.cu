@@ -1,0 +1,228 @@
+// kdtree::mla_prepare: RoPE, kv_a_layernorm, the latent cache write and the W_UK absorption of a
+// decode / tree-verify pass in one launch (semantics and the reference: torch_kdtree/ops/mla_prepare.py).
+//
+// Grid: h · (dc / 256) absorption blocks, then ceil(M / 8) latent blocks; 256 threads.
+//   - Absorption block (head h, 256 output columns): lane l owns columns 8 l .. 8 l + 7 (16 bytes of
+//     each W_UK row, so a warp reads 512 contiguous bytes of a row), warp w the rows d = w, w + 8, ...
+//     Before its programmatic-launch wait (pdl.cuh) it prefetches its W_UK slice into L2 (weights are
+//     never written by a predecessor).  Tokens go in chunks of four: their q_nope rows in shared
+//     memory as fp32, fp32 products summed per warp, the warps' sums added in warp order, rounded
+//     to bf16.  The block of the first 256 columns also writes q_rope for head h.
+//   - Latent block: one warp per token; the RMS of c (dc values) by a warp sum, y = bf16(w ·
+//     bf16(c · rsqrt(mean + eps))), then rope(k_pe), written to the token's cache slot (a slot
+//     outside the cache is skipped: the wrapper's eager check raises on it).
+// Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
+// same code runs on sm_90 and sm_120.
+#include "bf16_vec.cuh"
+#include "check.h"
+#include "pdl.cuh"
+#include "warp_reduce.cuh"
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace kdtree {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCols = 256;       // output columns per absorption block (32 lanes x 8)
+constexpr int kChunk = 4;        // tokens per pass over W_UK
+constexpr int kMaxDn = 256;
+constexpr int kMaxDc = 1024;
+constexpr int kMaxDr = 256;
+
+struct Params {
+  const bf16* q;       // [M, h, dn + dr]
+  const bf16* ckv;     // [M, dc + dr]
+  const float* cos;    // [M, dr / 2]
+  const float* sin;
+  const bf16* norm_w;  // [dc]
+  const bf16* w;       // [h * (dn + dv), dc]
+  bf16* kv;            // this layer's [num_pages * page_size, dc + dr]
+  const int64_t* slots;
+  bf16* out;           // [M, h, dc + dr]
+  int64_t capacity;    // num_pages * page_size
+  int M, heads, dn, dv, dc, dr;
+  float eps;
+  bool interleave;
+};
+
+// Rotated pair j of a dr-wide vector x: (x1 c - x2 s, x2 c + x1 s), stored at j and j + dr / 2.
+__device__ __forceinline__ void rope_pair(const bf16* x, bf16* dst, float c, float s, int j, int dr, bool interleave) {
+  const int half = dr / 2;
+  const float x1 = __bfloat162float(x[interleave ? 2 * j : j]);
+  const float x2 = __bfloat162float(x[interleave ? 2 * j + 1 : j + half]);
+  dst[j] = __float2bfloat16(x1 * c - x2 * s);
+  dst[j + half] = __float2bfloat16(x2 * c + x1 * s);
+}
+
+__global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
+  __shared__ float qn[kChunk][kMaxDn];
+  __shared__ __align__(16) float red[kWarps][kChunk][kCols];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int halves = p.dc / kCols, nq = p.heads * halves, D = p.dc + p.dr, qd = p.dn + p.dr;
+  if (int(blockIdx.x) < nq) {
+    const int h = blockIdx.x / halves, col0 = (blockIdx.x % halves) * kCols;
+    const bf16* w = p.w + int64_t(h) * (p.dn + p.dv) * p.dc + col0 + 8 * lane;
+    if ((lane & 7) == 0)  // one 128-byte line per 8 lanes
+      for (int d = warp; d < p.dn; d += kWarps) l2_prefetch(w + int64_t(d) * p.dc);
+    pdl_wait();  // q comes from the previous kernel
+    pdl_launch_dependents();
+    for (int m0 = 0; m0 < p.M; m0 += kChunk) {
+      const int mc = min(kChunk, p.M - m0);
+      for (int i = threadIdx.x; i < kChunk * p.dn; i += kThreads) {
+        const int mm = i / p.dn, d = i - mm * p.dn;
+        qn[mm][d] = mm < mc ? __bfloat162float(p.q[(int64_t(m0 + mm) * p.heads + h) * qd + d]) : 0.f;
+      }
+      __syncthreads();
+      float acc[kChunk][8];
+#pragma unroll
+      for (int mm = 0; mm < kChunk; ++mm)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[mm][j] = 0.f;
+#pragma unroll 4
+      for (int d = warp; d < p.dn; d += kWarps) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + int64_t(d) * p.dc));
+        const float wf[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
+                             bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+#pragma unroll
+        for (int mm = 0; mm < kChunk; ++mm) {
+          const float qv = qn[mm][d];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[mm][j] = fmaf(qv, wf[j], acc[mm][j]);
+        }
+      }
+#pragma unroll
+      for (int mm = 0; mm < kChunk; ++mm) {
+        float4* r = reinterpret_cast<float4*>(&red[warp][mm][8 * lane]);
+        r[0] = make_float4(acc[mm][0], acc[mm][1], acc[mm][2], acc[mm][3]);
+        r[1] = make_float4(acc[mm][4], acc[mm][5], acc[mm][6], acc[mm][7]);
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < mc * kCols; i += kThreads) {
+        const int mm = i / kCols, c = i - mm * kCols;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) s += red[v][mm][c];
+        p.out[(int64_t(m0 + mm) * p.heads + h) * D + col0 + c] = __float2bfloat16(s);
+      }
+      __syncthreads();  // qn and red are rewritten by the next chunk
+    }
+    if (col0 == 0) {
+      const int half = p.dr / 2;
+      for (int i = threadIdx.x; i < p.M * half; i += kThreads) {
+        const int m = i / half, j = i - m * half;
+        const int64_t row = int64_t(m) * p.heads + h;
+        rope_pair(p.q + row * qd + p.dn, p.out + row * D + p.dc, p.cos[int64_t(m) * half + j],
+                  p.sin[int64_t(m) * half + j], j, p.dr, p.interleave);
+      }
+    }
+    return;
+  }
+  pdl_wait();  // ckv comes from an earlier kernel
+  pdl_launch_dependents();
+  const int m = (blockIdx.x - nq) * kWarps + warp;
+  if (m >= p.M) return;
+  const int64_t slot = p.slots[m];
+  if (slot < 0 || slot >= p.capacity) return;
+  const bf16* c = p.ckv + int64_t(m) * D;
+  float v[kMaxDc / kCols][8];  // lane's groups g = lane, lane + 32, ... of 8 values
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxDc / kCols; ++i) {
+    const int g = lane + 32 * i;
+    if (8 * g < p.dc) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(c + 8 * g);
+      const float f[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
+                          bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v[i][j] = f[j];
+        ss = fmaf(f[j], f[j], ss);
+      }
+    }
+  }
+  const float r = rsqrtf(warp_sum(ss) / float(p.dc) + p.eps);
+  bf16* dst = p.kv + slot * D;
+#pragma unroll
+  for (int i = 0; i < kMaxDc / kCols; ++i) {
+    const int g = lane + 32 * i;
+    if (8 * g < p.dc) {
+      const uint4 nw = __ldg(reinterpret_cast<const uint4*>(p.norm_w + 8 * g));
+      const float wn[8] = {bf16_lo(nw.x), bf16_hi(nw.x), bf16_lo(nw.y), bf16_hi(nw.y),
+                           bf16_lo(nw.z), bf16_hi(nw.z), bf16_lo(nw.w), bf16_hi(nw.w)};
+      uint32_t y[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 two = __floats2bfloat162_rn(wn[2 * j] * round_bf16(v[i][2 * j] * r),
+                                                         wn[2 * j + 1] * round_bf16(v[i][2 * j + 1] * r));
+        y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
+      }
+      *reinterpret_cast<uint4*>(dst + 8 * g) = make_uint4(y[0], y[1], y[2], y[3]);
+    }
+  }
+  const int half = p.dr / 2;
+  for (int j = lane; j < half; j += 32)
+    rope_pair(c + p.dc, dst + p.dc, p.cos[int64_t(m) * half + j], p.sin[int64_t(m) * half + j], j, p.dr,
+              p.interleave);
+}
+
+at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& norm_weight, double eps, const at::Tensor& w_kv_b,
+                            at::Tensor& kv_cache, int64_t layer, const at::Tensor& slots, bool interleave) {
+  constexpr const char* op = "kdtree::mla_prepare";
+  check_cuda_tensor(q, op, "q", at::kBFloat16, 3);
+  check_cuda_tensor(ckv, op, "ckv", at::kBFloat16, 2);
+  check_cuda_tensor(cos, op, "cos", at::kFloat, 2);
+  check_cuda_tensor(sin, op, "sin", at::kFloat, 2);
+  check_cuda_tensor(norm_weight, op, "norm_weight", at::kBFloat16, 1);
+  check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
+  check_cuda_tensor(kv_cache, op, "kv_cache", at::kBFloat16, 4);
+  check_cuda_tensor(slots, op, "slots", at::kLong, 1);
+  const at::Tensor* others[] = {&ckv, &cos, &sin, &norm_weight, &w_kv_b, &kv_cache, &slots};
+  for (const at::Tensor* t : others)
+    KD_CHECK(t->device() == q.device(), op, ": every tensor must be on ", q.device(), ", got ", t->device());
+  const int64_t M = q.size(0), heads = q.size(1), dc = norm_weight.size(0), D = kv_cache.size(3), dr = D - dc,
+                dn = q.size(2) - dr;
+  KD_CHECK(dc % kCols == 0 && dc <= kMaxDc, op, ": the CUDA kernel needs dc (norm_weight's size) a multiple of ",
+           kCols, " up to ", kMaxDc, ", got ", dc);
+  KD_CHECK(dr >= 8 && dr % 8 == 0 && dr <= kMaxDr, op, ": the CUDA kernel needs the rope dim (cache row - dc) a "
+           "multiple of 8 up to ", kMaxDr, " (16-byte rows), got ", dr);
+  KD_CHECK(dn >= 1 && dn <= kMaxDn, op, ": dn (q's last dim - dr) must be in [1, ", kMaxDn, "], got ", dn);
+  KD_CHECK(ckv.size(0) == M && ckv.size(1) == D, op, ": ckv must be [M, dc + dr] = [", M, ", ", D, "], got ",
+           ckv.sizes());
+  KD_CHECK(cos.size(0) == M && cos.size(1) == dr / 2 && sin.sizes() == cos.sizes(), op,
+           ": cos and sin must be [M, dr / 2] = [", M, ", ", dr / 2, "], got ", cos.sizes(), " and ", sin.sizes());
+  KD_CHECK(slots.size(0) == M, op, ": slots must be [M = ", M, "], got ", slots.sizes());
+  KD_CHECK(heads >= 1 && w_kv_b.size(1) == dc && w_kv_b.size(0) % heads == 0 && w_kv_b.size(0) / heads > dn, op,
+           ": w_kv_b must be [h * (dn + dv), dc] with h = ", heads, ", dn = ", dn, ", dc = ", dc, ", got ",
+           w_kv_b.sizes());
+  KD_CHECK(layer >= 0 && layer < kv_cache.size(0), op, ": layer must be in [0, ", kv_cache.size(0), "), got ", layer);
+  KD_CHECK(M <= (int64_t(1) << 24), op, ": too many tokens (", M, ")");
+  at::Tensor out = at::empty({M, heads, D}, q.options());
+  if (M == 0) return out;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t capacity = kv_cache.size(1) * kv_cache.size(2);
+  Params p{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(ckv.data_ptr()),
+           cos.data_ptr<float>(), sin.data_ptr<float>(), reinterpret_cast<const bf16*>(norm_weight.data_ptr()),
+           reinterpret_cast<const bf16*>(w_kv_b.data_ptr()),
+           reinterpret_cast<bf16*>(kv_cache.data_ptr()) + layer * capacity * D, slots.data_ptr<int64_t>(),
+           reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(M), int(heads), int(dn),
+           int(w_kv_b.size(0) / heads - dn), int(dc), int(dr), float(eps), interleave};
+  const int blocks = int(heads * (dc / kCols) + (M + kWarps - 1) / kWarps);
+  launch_kernel(mla_prepare_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(),
+                pdl_enabled("mla"), p);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) { m.impl("mla_prepare", &mla_prepare_cuda); }
+
+}  // namespace kdtree

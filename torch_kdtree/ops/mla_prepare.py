@@ -1,0 +1,143 @@
+"""The absorbed-MLA inputs of a decode / tree-verify pass: ``kdtree::mla_prepare``.
+
+Between the query / latent projections and ``mla_tree_attention`` (kimi_k2.md, MLA) a decode
+step has four small steps that torch code runs as four to five kernels (~8-10 us a layer on the
+H200, run 44).  This op does them in one launch, for M tokens of one layer:
+
+1. ``q`` [M, h, dn + dr] splits into q_nope [.., dn] and q_pe [.., dr]; ``q_rope = rope(q_pe)``
+   (fp32 products, rounded to q's dtype);
+2. ``ckv`` [M, dc + dr] splits into c [.., dc] and k_pe [.., dr]; the cache entry is
+   ``[norm_weight * rmsnorm(c) | rope(k_pe)]`` with ``rmsnorm(c) = c * rsqrt(mean(c^2) + eps)`` in
+   fp32, rounded to ckv's dtype before the weight multiplies it (KimiK2RMSNorm), written to
+   ``kv_cache[layer]`` at the flat ``slots`` (page * page_size + offset) -- in place;
+3. ``q_abs[m, h] = q_nope[m, h] @ W_UK[h]`` in fp32, rounded to q's dtype, where W_UK[h] is the
+   first dn rows of head h's block of ``w_kv_b`` ([h * (dn + dv), dc], kv_b_proj's weight);
+4. returns ``cat([q_abs, q_rope], -1)`` [M, h, dc + dr] in the cache's dtype: the query of
+   ``mla_tree_attention``.
+
+RoPE rotates pairs (x1, x2) -- interleaved (x0, x1), (x2, x3), ... with ``interleave`` (DeepSeek),
+else the two halves -- by ``cos`` / ``sin`` [M, dr / 2] (fp32) into ``[x1 c - x2 s | x2 c + x1 s]``
+(the model's ``apply_rope``).  dc, dr and dn come from the shapes: dc = norm_weight's size,
+dr = the cache row minus dc, dn = q's last dimension minus dr.
+
+The CUDA kernel (csrc/mla_prepare.cu) takes bf16 tensors (fp32 cos / sin, int64 slots) with
+dc a multiple of 256 up to 1024, dn <= 256 and dr a multiple of 8 up to 256; :func:`mla_prepare_reference` is the
+ground truth and the CPU kernel.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import check_same_device, check_tensor, value_checks_active
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, op="mla_prepare") -> None:
+    check_tensor(op, "q", q, _FLOAT_DTYPES, 3)
+    check_tensor(op, "ckv", ckv, _FLOAT_DTYPES, 2)
+    check_tensor(op, "cos", cos, torch.float32, 2)
+    check_tensor(op, "sin", sin, torch.float32, 2)
+    check_tensor(op, "norm_weight", norm_weight, _FLOAT_DTYPES, 1)
+    check_tensor(op, "w_kv_b", w_kv_b, _FLOAT_DTYPES, 2)
+    check_tensor(op, "kv_cache", kv_cache, _FLOAT_DTYPES, 4)
+    check_tensor(op, "slots", slots, torch.int64, 1)
+    check_same_device(op, q=q, ckv=ckv, cos=cos, sin=sin, norm_weight=norm_weight, w_kv_b=w_kv_b,
+                      kv_cache=kv_cache, slots=slots)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < kv_cache.shape[0]:
+        raise ValueError(f"{op}: layer must be an int in [0, {kv_cache.shape[0]}), got {layer!r}")
+    M, heads, qd = q.shape
+    dc, D = norm_weight.shape[0], kv_cache.shape[3]
+    dr = D - dc
+    if dc < 1 or dr < 2 or dr % 2:
+        raise ValueError(f"{op}: the cache row ({D}) must be norm_weight's dc ({dc}) plus an even rope dim >= 2")
+    dn = qd - dr
+    if dn < 1:
+        raise ValueError(f"{op}: q's last dimension ({qd}) must be dn + dr with dn >= 1 and dr = {dr}")
+    if tuple(ckv.shape) != (M, D):
+        raise ValueError(f"{op}: ckv must be [M, dc + dr] = {(M, D)}, got {tuple(ckv.shape)}")
+    if tuple(cos.shape) != (M, dr // 2) or tuple(sin.shape) != (M, dr // 2):
+        raise ValueError(f"{op}: cos and sin must be [M, dr / 2] = {(M, dr // 2)}, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if tuple(slots.shape) != (M,):
+        raise ValueError(f"{op}: slots must be [M] = {(M,)}, got {tuple(slots.shape)}")
+    rows = w_kv_b.shape[0]
+    if heads < 1 or w_kv_b.shape[1] != dc or rows % heads or rows // heads <= dn:
+        raise ValueError(f"{op}: w_kv_b must be [h * (dn + dv), dc] = [{heads} * ({dn} + dv), {dc}] with dv >= 1, "
+                         f"got {tuple(w_kv_b.shape)}")
+    if ckv.dtype != q.dtype:
+        raise TypeError(f"{op}: ckv dtype {ckv.dtype} must equal q dtype {q.dtype}")
+    if not value_checks_active(slots) or M == 0:
+        return
+    capacity = kv_cache.shape[1] * kv_cache.shape[2]
+    if ((slots < 0) | (slots >= capacity)).any():
+        raise ValueError(f"{op}: slots must be flat cache slots in [0, num_pages * page_size = {capacity})")
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    if interleave:
+        x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    else:
+        x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def mla_prepare_reference(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float, w_kv_b: torch.Tensor, kv_cache: torch.Tensor,
+                          layer: int, slots: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_prepare`` (module docstring)."""
+    _check(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots)
+    M, heads, _ = q.shape
+    dc = norm_weight.shape[0]
+    D = kv_cache.shape[3]
+    dr = D - dc
+    dn = q.shape[2] - dr
+    q_nope, q_pe = q.split([dn, dr], dim=-1)
+    q_rope = _rope(q_pe, cos[:, None, :], sin[:, None, :], interleave)
+    c, k_pe = ckv.split([dc, dr], dim=-1)
+    h = c.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    latent = torch.cat([norm_weight * h.to(ckv.dtype), _rope(k_pe, cos, sin, interleave)], dim=-1)
+    kv_cache[layer].view(-1, D).index_copy_(0, slots, latent.to(kv_cache.dtype))
+    w_uk = w_kv_b.view(heads, -1, dc)[:, :dn]
+    q_abs = torch.einsum("mhd,hdc->mhc", q_nope.float(), w_uk.float()).to(q.dtype)
+    return torch.cat([q_abs, q_rope], dim=-1).to(kv_cache.dtype)
+
+
+def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
+                eps: float, w_kv_b: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor,
+                interleave: bool = True) -> torch.Tensor:
+    """RoPE, the latent norm, the cache write and the W_UK absorption of absorbed MLA in one op.
+
+    Args:
+        q: [M, h, dn + dr] the query projection's output (q_b_proj or q_proj), per head.
+        ckv: [M, dc + dr] kv_a_proj_with_mqa's output (latent c, then k_pe); q's dtype.
+        cos, sin: float32 [M, dr / 2], the tokens' RoPE angles.
+        norm_weight: [dc] kv_a_layernorm's weight; eps: its epsilon.
+        w_kv_b: [h * (dn + dv), dc] kv_b_proj's weight (per head: W_UK's dn rows, then W_UV's dv).
+        kv_cache: [num_layers, num_pages, page_size, dc + dr] the paged latent cache, written in
+            place at layer ``layer``.
+        slots: int64 [M], flat slots (page * page_size + offset) of the tokens' cache entries.
+        interleave: RoPE pairs interleaved (DeepSeek / K2) or the two halves.
+    Returns the attention query [M, h, dc + dr] in kv_cache's dtype (module docstring).
+    Slots outside the cache raise in eager mode; the CUDA kernel never writes out of bounds.
+    """
+    _check(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots)
+    return torch.ops.kdtree.mla_prepare(q, ckv, cos, sin, norm_weight, float(eps), w_kv_b, kv_cache, int(layer),
+                                        slots, bool(interleave))
+
+
+torch.library.register_kernel("kdtree::mla_prepare", "cpu", mla_prepare_reference)
+
+
+@torch.library.register_fake("kdtree::mla_prepare")
+def _(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, interleave):
+    M, heads, _ = q.shape
+    return q.new_empty((M, heads, kv_cache.shape[3]), dtype=kv_cache.dtype)
+
+
+__all__ = ["mla_prepare", "mla_prepare_reference"]
