@@ -4,8 +4,9 @@
 // Grid: h · (dc / 256) absorption blocks, then ceil(M / 8) latent blocks; 256 threads.
 //   - Absorption block (head h, 256 output columns): lane l owns columns 8 l .. 8 l + 7 (16 bytes of
 //     each W_UK row, so a warp reads 512 contiguous bytes of a row), warp w the rows d = w, w + 8, ...
-//     Before its programmatic-launch wait (pdl.cuh) it prefetches its W_UK slice into L2 (weights are
-//     never written by a predecessor).  Tokens go in chunks of four: their q_nope rows in shared
+//     Before its programmatic-launch wait (pdl.cuh) it loads its first 16 rows (all of K2's dn 128)
+//     into registers (weights are never written by any kernel of the step), so the loads overlap
+//     the query projection.  Tokens go in chunks of four: their q_nope rows in shared
 //     memory as fp32, fp32 products summed per warp, the warps' sums added in warp order, rounded
 //     to bf16.  The block of the first 256 columns also writes q_rope for head h.
 //   - Latent block: one warp per token; the RMS of c (dc values) by a warp sum, y = bf16(w ·
@@ -33,6 +34,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 256;       // output columns per absorption block (32 lanes x 8)
 constexpr int kChunk = 4;        // tokens per pass over W_UK
+constexpr int kRegRows = 16;     // W_UK rows per warp held in registers (all of them for dn <= 128)
 constexpr int kMaxDn = 256;
 constexpr int kMaxDc = 1024;
 constexpr int kMaxDr = 256;
@@ -53,6 +55,17 @@ struct Params {
   bool interleave;
 };
 
+// A weight load issued before pdl_wait that stays there: ptxas moves a read-only (.nc) load whose
+// result is first used after griddepcontrol.wait to after it (sm_90 SASS: LDG.E.128.CONSTANT after
+// ACQBULK), but keeps a coherent one in place; volatile, so the compiler keeps the order too.
+__device__ __forceinline__ uint4 ld_stream_early(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Rotated pair j of a dr-wide vector x: (x1 c - x2 s, x2 c + x1 s), stored at j and j + dr / 2.
 __device__ __forceinline__ void rope_pair(const bf16* x, bf16* dst, float c, float s, int j, int dr, bool interleave) {
   const int half = dr / 2;
@@ -70,8 +83,15 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
   if (int(blockIdx.x) < nq) {
     const int h = blockIdx.x / halves, col0 = (blockIdx.x % halves) * kCols;
     const bf16* w = p.w + int64_t(h) * (p.dn + p.dv) * p.dc + col0 + 8 * lane;
-    if ((lane & 7) == 0)  // one 128-byte line per 8 lanes
-      for (int d = warp; d < p.dn; d += kWarps) l2_prefetch(w + int64_t(d) * p.dc);
+    // The warp's first kRegRows rows of W_UK into registers before the wait: every load in flight
+    // at once, landing while the predecessor (the query projection) still runs.
+    uint4 wr[kRegRows];
+#pragma unroll
+    for (int i = 0; i < kRegRows; ++i) {
+      const int d = warp + kWarps * i;
+      wr[i] = d < p.dn ? ld_stream_early(reinterpret_cast<const uint4*>(w + int64_t(d) * p.dc))
+                       : make_uint4(0, 0, 0, 0);
+    }
     pdl_wait();  // q comes from the previous kernel
     pdl_launch_dependents();
     for (int m0 = 0; m0 < p.M; m0 += kChunk) {
@@ -86,9 +106,7 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
       for (int mm = 0; mm < kChunk; ++mm)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[mm][j] = 0.f;
-#pragma unroll 4
-      for (int d = warp; d < p.dn; d += kWarps) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + int64_t(d) * p.dc));
+      auto row = [&](const uint4& raw, int d) {
         const float wf[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
                              bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
 #pragma unroll
@@ -97,7 +115,13 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[mm][j] = fmaf(qv, wf[j], acc[mm][j]);
         }
-      }
+      };
+#pragma unroll
+      for (int i = 0; i < kRegRows; ++i)
+        if (warp + kWarps * i < p.dn) row(wr[i], warp + kWarps * i);
+#pragma unroll 4
+      for (int d = warp + kWarps * kRegRows; d < p.dn; d += kWarps)  // dn > 128: the rest from memory
+        row(__ldg(reinterpret_cast<const uint4*>(w + int64_t(d) * p.dc)), d);
 #pragma unroll
       for (int mm = 0; mm < kChunk; ++mm) {
         float4* r = reinterpret_cast<float4*>(&red[warp][mm][8 * lane]);

@@ -1,0 +1,39 @@
+"""Representative mla_prepare calls for compute-sanitizer memcheck / racecheck: one token and a
+chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE layouts, a slot past the cache and a
+negative one (skipped by the kernel); each result against the CPU reference."""
+import torch
+
+import torch_kdtree  # noqa: F401
+from torch_kdtree.ops import mla_prepare, mla_prepare_reference, value_checks
+
+g = torch.Generator().manual_seed(0)
+
+
+def call(M, heads, dn, dv, dc, dr, interleave, bad_slots=False):
+    q = torch.randn(M, heads, dn + dr, generator=g).bfloat16()
+    ckv = torch.randn(M, dc + dr, generator=g).bfloat16()
+    ang = torch.rand(M, dr // 2, generator=g) * 10
+    nw = (torch.rand(dc, generator=g) + 0.5).bfloat16()
+    w = (torch.randn(heads * (dn + dv), dc, generator=g) / dn ** 0.5).bfloat16()
+    kv = torch.randn(2, 5, 16, dc + dr, generator=g).bfloat16()
+    slots = torch.randperm(80, generator=g)[:M]
+    if bad_slots:
+        slots[0], slots[-1] = 80, -1
+    args = [q, ckv, ang.cos(), ang.sin(), nw, 1e-6, w, kv, 1, slots, interleave]
+    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    got = mla_prepare(*cuda).cpu()
+    keep = (slots >= 0) & (slots < 80)
+    ref_args = list(args)
+    ref_args[9] = slots[keep]
+    for i in (0, 1, 2, 3):
+        ref_args[i] = args[i][keep]
+    want = mla_prepare_reference(*ref_args)
+    err = float((got[keep].float() - want.float()).norm() / want.float().norm())
+    same_cache = float((cuda[7].cpu().float() - ref_args[7].float()).norm() / ref_args[7].float().norm())
+    return "OK" if err < 1e-2 and same_cache < 1e-2 else f"MISMATCH {err} {same_cache}"
+
+
+with value_checks(False):
+    print(call(1, 8, 128, 128, 512, 64, True))
+    print(call(17, 16, 128, 128, 512, 64, True))
+    print(call(5, 4, 64, 32, 256, 32, False, bad_slots=True))
