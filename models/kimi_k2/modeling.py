@@ -30,7 +30,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from torch_kdtree.ops import mla_prepare, mla_tree_attention
+from torch_kdtree.ops import mla_output, mla_prepare, mla_tree_attention
 
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
@@ -44,7 +44,7 @@ from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
 LATENT_NORM_EPS = 1e-6
 
-# kdtree::mla_prepare in tree passes (KimiK2Attention.prepare_op_ok): "auto" (default: CUDA, bf16,
+# kdtree::mla_prepare / mla_output in tree passes (KimiK2Attention.prepare_op_ok): "auto" (default: CUDA, bf16,
 # at most PREPARE_ROWS tokens), "0" (never: the torch ops) or "always" (also on CPU, where the op
 # runs its reference; tests).  Read at import, a constant for torch.compile.
 _MLA_PREPARE = os.environ.get("KDTREE_MLA_PREPARE", "auto")
@@ -247,7 +247,8 @@ class KimiK2Attention(nn.Module):
 
     def prepare_op_ok(self, q: torch.Tensor, cache: KimiK2Cache) -> bool:
         """Whether a tree pass computes the attention query with one ``kdtree::mla_prepare`` launch
-        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption): ``KDTREE_MLA_PREPARE`` is
+        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption) and the heads' values from its
+        output with one ``kdtree::mla_output`` launch (W_UV): ``KDTREE_MLA_PREPARE`` is
         ``always``, or unset / ``auto`` with the CUDA kernel built, q bf16 on CUDA with at most
         PREPARE_ROWS tokens, a bf16 cache and plain bf16 kv_b_proj / kv_a_layernorm weights (no
         DTensor, no hooks) of the kernel's sizes.  ``0`` keeps the torch ops (A/B runs)."""
@@ -267,7 +268,8 @@ class KimiK2Attention(nn.Module):
         R, N = x.shape[:2]
         cache = batch.cache
         w_uk, w_uv = self._kv_b()
-        if self.prepare_op_ok(q, cache):
+        prepared = self.prepare_op_ok(q, cache)
+        if prepared:
             M = R * N
             heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
             q = mla_prepare(q.reshape(M, heads, -1), ckv.reshape(M, -1), cos.reshape(M, -1), sin.reshape(M, -1),
@@ -285,7 +287,10 @@ class KimiK2Attention(nn.Module):
             q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale)
-        if use_gemv_rows(R * N, x, w_uv):
+        if prepared:
+            heads = o_lat.shape[2]
+            out = mla_output(o_lat.reshape(R * N, heads, -1), self.kv_b_proj.weight, self.qk_nope_head_dim).to(x.dtype)
+        elif use_gemv_rows(R * N, x, w_uv):
             out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
         else:
             out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)

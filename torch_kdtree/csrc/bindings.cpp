@@ -37,9 +37,11 @@ TORCH_LIBRARY(kdtree, m) {
 
   // RoPE, kv_a_layernorm, the cache write (in place, at kv_cache[layer] and the flat slots) and the
   // W_UK absorption of a decode / tree-verify pass: the query [M, h, dc + dr] of mla_tree_attention
-  // (ops/mla_prepare.py, csrc/mla_prepare.cu).
+  // (ops/mla_absorb.py, csrc/mla_absorb.cu).
   m.def("mla_prepare(Tensor q, Tensor ckv, Tensor cos, Tensor sin, Tensor norm_weight, float eps,"
         " Tensor w_kv_b, Tensor(a!) kv_cache, int layer, Tensor slots, bool interleave) -> Tensor");
+  // The heads' values from the attention's latent output: o_lat [M, h, dc] @ W_UV[h]^T -> [M, h, dv].
+  m.def("mla_output(Tensor o_lat, Tensor w_kv_b, int qk_nope_head_dim) -> Tensor");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
   // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the

@@ -1,16 +1,17 @@
-"""kdtree::mla_prepare: the reference against a float64 oracle written from the definitions
-(complex-number RoPE, a norm from vector_norm, per-head matrix products), the model's own torch
-path, the CUDA kernel against the reference on fresh random inputs, opcheck, torch.compile,
-CUDA graphs and bad inputs."""
+"""kdtree::mla_prepare and kdtree::mla_output: the references against float64 oracles written from
+the definitions (complex-number RoPE, a norm from vector_norm, per-head matrix products), the
+model's own torch path, the CUDA kernels against the references on fresh random inputs, opcheck,
+torch.compile, CUDA graphs and bad inputs."""
 import math
 
 import pytest
 import torch
 
 from conftest import HAS_CUDA, poison_cuda_allocator, requires_cuda_kernel
-from torch_kdtree.ops import mla_prepare, mla_prepare_reference
+from torch_kdtree.ops import mla_output, mla_output_reference, mla_prepare, mla_prepare_reference
 
 requires_prepare_cuda = requires_cuda_kernel("kdtree::mla_prepare")
+requires_output_cuda = requires_cuda_kernel("kdtree::mla_output")
 
 # (M tokens, heads, dn, dv, dc, dr, interleave)
 CASES = [(1, 8, 128, 128, 512, 64, True), (3, 16, 128, 128, 512, 64, True), (5, 4, 64, 32, 256, 32, False),
@@ -270,3 +271,109 @@ def test_cuda_inputs_on_two_devices_raise():
     a = _inputs(0, 2, 4, 128, 128, 512, 64, device="cuda")
     with pytest.raises(ValueError, match="device"):
         _call(mla_prepare, {**a, "slots": a["slots"].cpu()}, True)
+
+
+# --------------------------------------------------------------------------------------------
+# mla_output
+# --------------------------------------------------------------------------------------------
+
+# (M tokens, heads, dn, dv, dc)
+OUT_CASES = [(1, 8, 128, 128, 512), (3, 16, 128, 128, 512), (5, 4, 64, 40, 256), (17, 2, 0, 96, 1024)]
+
+
+def _output_inputs(seed, M, heads, dn, dv, dc, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(M, heads, dc, generator=g)
+    w = torch.randn(heads * (dn + dv), dc, generator=g) / math.sqrt(dc)
+    return o.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("M,heads,dn,dv,dc", OUT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_output_reference_matches_float64_oracle(fresh_seed, M, heads, dn, dv, dc, dtype):
+    o, w = _output_inputs(fresh_seed, M, heads, dn, dv, dc, dtype)
+    got = mla_output_reference(o, w, dn)
+    want = torch.empty(M, heads, dv, dtype=torch.float64)
+    for h in range(heads):  # W_UV[h]: the last dv rows of head h's block of kv_b_proj's weight
+        rows = w[h * (dn + dv) + dn: (h + 1) * (dn + dv)].double()
+        for m in range(M):
+            want[m, h] = rows @ o[m, h].double()
+    assert got.shape == (M, heads, dv) and got.dtype == dtype
+    assert _rel(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_output_reference_equals_the_models_gemv_form(fresh_seed):
+    """The model's former decode formula (a multiply + fp32 sum over the latent) rounds the same way."""
+    o, w = _output_inputs(fresh_seed, 2, 4, 128, 128, 512)
+    w_uv = w.view(4, 256, 512)[:, 128:]
+    former = (o.float()[..., None, :] * w_uv.float()).sum(-1).to(o.dtype)
+    assert _rel(mla_output_reference(o, w, 128), former) <= 1e-2
+
+
+def test_output_bad_inputs_raise():
+    o, w = _output_inputs(0, 2, 4, 128, 128, 512)
+    with pytest.raises(TypeError, match="o_lat must be"):
+        mla_output(o.int(), w, 128)
+    with pytest.raises(ValueError, match="o_lat must have 3 dimensions"):
+        mla_output(o[0], w, 128)
+    with pytest.raises(ValueError, match="w_kv_b must be"):
+        mla_output(o, w[:, :256].contiguous(), 128)
+    with pytest.raises(ValueError, match="w_kv_b must be"):
+        mla_output(o, w, 256)  # dv = 0
+    with pytest.raises(ValueError, match="w_kv_b must be"):
+        mla_output(o, w[:1001].contiguous(), 128)  # rows not a multiple of h
+    with pytest.raises(ValueError, match="qk_nope_head_dim must be"):
+        mla_output(o, w, -1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        mla_output(o.transpose(0, 1).contiguous().transpose(0, 1), w, 128)
+
+
+def test_output_opcheck_and_compile_cpu(fresh_seed):
+    o, w = _output_inputs(fresh_seed, 3, 4, 64, 40, 256, torch.float32)
+    torch.library.opcheck(torch.ops.kdtree.mla_output.default, (o, w, 64))
+    got = torch.compile(lambda o: mla_output(o, w, 64), fullgraph=True)(o)
+    assert torch.equal(got, mla_output_reference(o, w, 64))
+
+
+@requires_output_cuda
+@pytest.mark.parametrize("M,heads,dn,dv,dc", OUT_CASES + [(32, 16, 128, 128, 512)])
+def test_cuda_output_kernel_matches_reference(fresh_seed, M, heads, dn, dv, dc):
+    o, w = _output_inputs(fresh_seed, M, heads, dn, dv, dc, device="cuda")
+    poison_cuda_allocator()
+    got = mla_output(o, w, dn).cpu()
+    want = mla_output_reference(o.cpu(), w.cpu(), dn)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert _rel(got, want) <= 4e-3
+    assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.float().abs().max().item()
+
+
+@requires_output_cuda
+def test_cuda_output_opcheck_compile_and_graph_replay(fresh_seed):
+    o, w = _output_inputs(fresh_seed, 2, 8, 128, 128, 512, device="cuda")
+    torch.library.opcheck(torch.ops.kdtree.mla_output.default, (o, w, 128))
+    compiled = torch.compile(lambda: mla_output(o, w, 128), fullgraph=True)
+    compiled()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        compiled()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled()
+    for seed in (fresh_seed + 1, fresh_seed + 2):
+        fresh, _ = _output_inputs(seed, 2, 8, 128, 128, 512, device="cuda")
+        o.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out.cpu(), mla_output_reference(o.cpu(), w.cpu(), 128)) <= 4e-3
+
+
+@requires_output_cuda
+def test_cuda_output_bad_sizes_raise():
+    o, w = _output_inputs(0, 2, 4, 64, 32, 384, device="cuda")
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        mla_output(o, w, 64)
+    o, w = _output_inputs(0, 2, 4, 64, 32, 256, device="cuda", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="must be BFloat16"):
+        mla_output(o, w, 64)

@@ -1,7 +1,8 @@
-// kdtree::mla_prepare: RoPE, kv_a_layernorm, the latent cache write and the W_UK absorption of a
-// decode / tree-verify pass in one launch (semantics and the reference: torch_kdtree/ops/mla_prepare.py).
+// kdtree::mla_prepare and kdtree::mla_output: the absorbed-MLA steps before and after
+// mla_tree_attention in a decode / tree-verify pass (semantics and the references:
+// torch_kdtree/ops/mla_absorb.py).
 //
-// Grid: h · (dc / 256) absorption blocks, then ceil(M / 8) latent blocks; 256 threads.
+// mla_prepare -- grid: h · (dc / 256) absorption blocks, then ceil(M / 8) latent blocks; 256 threads.
 //   - Absorption block (head h, 256 output columns): lane l owns columns 8 l .. 8 l + 7 (16 bytes of
 //     each W_UK row, so a warp reads 512 contiguous bytes of a row), warp w the rows d = w, w + 8, ...
 //     Before its programmatic-launch wait (pdl.cuh) it loads its first 16 rows (all of K2's dn 128)
@@ -12,6 +13,9 @@
 //   - Latent block: one warp per token; the RMS of c (dc values) by a warp sum, y = bf16(w ·
 //     bf16(c · rsqrt(mean + eps))), then rope(k_pe), written to the token's cache slot (a slot
 //     outside the cache is skipped: the wrapper's eager check raises on it).
+// mla_output -- grid: h · ceil(dv / 32) blocks of 8 warps; warp w of block (h, b) owns the W_UV rows
+//   32 b + 4 w .. + 3 of head h, loaded into registers before the wait (lane l: columns 8 l + 256 j);
+//   per token, each lane's partial dot products over its columns of o_lat, a warp sum, bf16 out.
 // Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
 // same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
@@ -197,6 +201,45 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
               p.interleave);
 }
 
+constexpr int kOutRowsPerWarp = 4;
+constexpr int kOutRows = kWarps * kOutRowsPerWarp;  // W_UV rows per block
+
+__global__ void __launch_bounds__(kThreads)
+mla_output_kernel(const bf16* __restrict__ o_lat, const bf16* __restrict__ w_kv_b, bf16* __restrict__ out, int M,
+                  int heads, int dn, int dv, int dc) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int blocks_per_head = (dv + kOutRows - 1) / kOutRows;
+  const int h = blockIdx.x / blocks_per_head, d0 = (blockIdx.x % blocks_per_head) * kOutRows + warp * kOutRowsPerWarp;
+  const int groups = dc / kCols;  // 16-byte pieces per lane per row
+  const bf16* w = w_kv_b + (int64_t(h) * (dn + dv) + dn) * dc + 8 * lane;
+  uint4 wr[kOutRowsPerWarp][kMaxDc / kCols];
+#pragma unroll
+  for (int r = 0; r < kOutRowsPerWarp; ++r)
+#pragma unroll
+    for (int j = 0; j < kMaxDc / kCols; ++j)
+      wr[r][j] = (d0 + r < dv && j < groups) ? ld_stream_early(reinterpret_cast<const uint4*>(w + int64_t(d0 + r) * dc + kCols * j))
+                                              : make_uint4(0, 0, 0, 0);
+  pdl_wait();  // o_lat comes from the attention's combine (or the attention itself)
+  pdl_launch_dependents();
+  for (int m = 0; m < M; ++m) {
+    const bf16* o = o_lat + (int64_t(m) * heads + h) * dc + 8 * lane;
+    float acc[kOutRowsPerWarp] = {};
+#pragma unroll
+    for (int j = 0; j < kMaxDc / kCols; ++j) {
+      if (j < groups) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + kCols * j);
+#pragma unroll
+        for (int r = 0; r < kOutRowsPerWarp; ++r) acc[r] = dot8(ov, wr[r][j], acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kOutRowsPerWarp; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (lane == r && d0 + r < dv) out[(int64_t(m) * heads + h) * dv + d0 + r] = __float2bfloat16(v);
+    }
+  }
+}
+
 at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& norm_weight, double eps, const at::Tensor& w_kv_b,
                             at::Tensor& kv_cache, int64_t layer, const at::Tensor& slots, bool interleave) {
@@ -245,8 +288,36 @@ at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at
   return out;
 }
 
+at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, int64_t qk_nope_head_dim) {
+  constexpr const char* op = "kdtree::mla_output";
+  check_cuda_tensor(o_lat, op, "o_lat", at::kBFloat16, 3);
+  check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
+  KD_CHECK(w_kv_b.device() == o_lat.device(), op, ": o_lat and w_kv_b must be on one device, got ", o_lat.device(),
+           " and ", w_kv_b.device());
+  const int64_t M = o_lat.size(0), heads = o_lat.size(1), dc = o_lat.size(2), dn = qk_nope_head_dim;
+  KD_CHECK(dc % kCols == 0 && dc <= kMaxDc, op, ": the CUDA kernel needs dc (o_lat's last dim) a multiple of ", kCols,
+           " up to ", kMaxDc, ", got ", dc);
+  KD_CHECK(dn >= 0 && heads >= 1 && w_kv_b.size(1) == dc && w_kv_b.size(0) % heads == 0 && w_kv_b.size(0) / heads > dn,
+           op, ": w_kv_b must be [h * (dn + dv), dc] with h = ", heads, ", dn = ", dn, ", dc = ", dc, ", got ",
+           w_kv_b.sizes());
+  const int64_t dv = w_kv_b.size(0) / heads - dn;
+  KD_CHECK(M <= (int64_t(1) << 24) && heads * ((dv + kOutRows - 1) / kOutRows) <= INT32_MAX, op, ": too large");
+  at::Tensor out = at::empty({M, heads, dv}, o_lat.options());
+  if (M == 0) return out;
+  const c10::cuda::CUDAGuard guard(o_lat.device());
+  const int blocks = int(heads * ((dv + kOutRows - 1) / kOutRows));
+  launch_kernel(mla_output_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(),
+                pdl_enabled("mla"), reinterpret_cast<const bf16*>(o_lat.data_ptr()),
+                reinterpret_cast<const bf16*>(w_kv_b.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), int(M),
+                int(heads), int(dn), int(dv), int(dc));
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdtree, CUDA, m) { m.impl("mla_prepare", &mla_prepare_cuda); }
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
+  m.impl("mla_prepare", &mla_prepare_cuda);
+  m.impl("mla_output", &mla_output_cuda);
+}
 
 }  // namespace kdtree

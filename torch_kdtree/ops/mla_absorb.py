@@ -1,8 +1,11 @@
-"""The absorbed-MLA inputs of a decode / tree-verify pass: ``kdtree::mla_prepare``.
+"""The absorbed-MLA steps around ``mla_tree_attention`` in a decode / tree-verify pass:
+``kdtree::mla_prepare`` before it and ``kdtree::mla_output`` after it.
 
-Between the query / latent projections and ``mla_tree_attention`` (kimi_k2.md, MLA) a decode
-step has four small steps that torch code runs as four to five kernels (~8-10 us a layer on the
-H200, run 44).  This op does them in one launch, for M tokens of one layer:
+mla_prepare
+-----------
+Between the query / latent projections and the attention a decode step has four small steps that
+torch code runs as four to five kernels (~8-10 us a layer on the H200, run 44).  This op does
+them in one launch, for M tokens of one layer:
 
 1. ``q`` [M, h, dn + dr] splits into q_nope [.., dn] and q_pe [.., dr]; ``q_rope = rope(q_pe)``
    (fp32 products, rounded to q's dtype);
@@ -20,9 +23,15 @@ else the two halves -- by ``cos`` / ``sin`` [M, dr / 2] (fp32) into ``[x1 c - x2
 (the model's ``apply_rope``).  dc, dr and dn come from the shapes: dc = norm_weight's size,
 dr = the cache row minus dc, dn = q's last dimension minus dr.
 
-The CUDA kernel (csrc/mla_prepare.cu) takes bf16 tensors (fp32 cos / sin, int64 slots) with
-dc a multiple of 256 up to 1024, dn <= 256 and dr a multiple of 8 up to 256; :func:`mla_prepare_reference` is the
-ground truth and the CPU kernel.
+mla_output
+----------
+``out[m, h] = o_lat[m, h] @ W_UV[h]^T`` in fp32, rounded to o_lat's dtype: the attention's
+latent output [M, h, dc] mapped to the heads' values [M, h, dv], W_UV[h] being the last dv rows of
+head h's block of ``w_kv_b`` (dv = rows / h - dn, ``qk_nope_head_dim`` = dn) -- o_proj's input.
+
+The CUDA kernels (csrc/mla_absorb.cu) take bf16 tensors (fp32 cos / sin, int64 slots) with dc a
+multiple of 256 up to 1024 (and, for mla_prepare, dn <= 256 and dr a multiple of 8 up to 256);
+the ``*_reference`` functions are the ground truth and the CPU kernels.
 """
 from __future__ import annotations
 
@@ -140,4 +149,52 @@ def _(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, interl
     return q.new_empty((M, heads, kv_cache.shape[3]), dtype=kv_cache.dtype)
 
 
-__all__ = ["mla_prepare", "mla_prepare_reference"]
+# --------------------------------------------------------------------------------------------
+# mla_output
+# --------------------------------------------------------------------------------------------
+
+def _check_output(o_lat, w_kv_b, qk_nope_head_dim, op="mla_output") -> None:
+    check_tensor(op, "o_lat", o_lat, _FLOAT_DTYPES, 3)
+    check_tensor(op, "w_kv_b", w_kv_b, _FLOAT_DTYPES, 2)
+    check_same_device(op, o_lat=o_lat, w_kv_b=w_kv_b)
+    M, heads, dc = o_lat.shape
+    dn = qk_nope_head_dim
+    if isinstance(dn, bool) or not isinstance(dn, numbers.Integral) or dn < 0:
+        raise ValueError(f"{op}: qk_nope_head_dim must be a non-negative int, got {dn!r}")
+    rows = w_kv_b.shape[0]
+    if heads < 1 or w_kv_b.shape[1] != dc or rows % heads or rows // heads <= dn:
+        raise ValueError(f"{op}: w_kv_b must be [h * (dn + dv), dc] = [{heads} * ({dn} + dv), {dc}] with dv >= 1, "
+                         f"got {tuple(w_kv_b.shape)}")
+
+
+def mla_output_reference(o_lat: torch.Tensor, w_kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_output`` (module docstring)."""
+    _check_output(o_lat, w_kv_b, qk_nope_head_dim)
+    heads, dc = o_lat.shape[1], o_lat.shape[2]
+    w_uv = w_kv_b.view(heads, -1, dc)[:, qk_nope_head_dim:]
+    return torch.einsum("mhc,hdc->mhd", o_lat.float(), w_uv.float()).to(o_lat.dtype).contiguous()
+
+
+def mla_output(o_lat: torch.Tensor, w_kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+    """The heads' values from the absorbed attention's latent output: ``o_lat[m, h] @ W_UV[h]^T``.
+
+    Args:
+        o_lat: [M, h, dc] ``mla_tree_attention``'s output.
+        w_kv_b: [h * (dn + dv), dc] kv_b_proj's weight (per head: W_UK's dn rows, then W_UV's dv).
+        qk_nope_head_dim: dn.
+    Returns [M, h, dv] in o_lat's dtype (fp32 sums).
+    """
+    _check_output(o_lat, w_kv_b, qk_nope_head_dim)
+    return torch.ops.kdtree.mla_output(o_lat, w_kv_b, int(qk_nope_head_dim))
+
+
+torch.library.register_kernel("kdtree::mla_output", "cpu", mla_output_reference)
+
+
+@torch.library.register_fake("kdtree::mla_output")
+def _(o_lat, w_kv_b, qk_nope_head_dim):
+    M, heads, _ = o_lat.shape
+    return o_lat.new_empty((M, heads, w_kv_b.shape[0] // heads - qk_nope_head_dim))
+
+
+__all__ = ["mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference"]

@@ -1,20 +1,22 @@
-"""The absorbed-MLA query of a decode step (issue 3): kdtree::mla_prepare against HBM bandwidth and
-the torch ops it replaces, compiled with inductor (the model's path before the op), same run.
+"""The absorbed-MLA steps around the attention in a decode step (issue 3): kdtree::mla_prepare and
+kdtree::mla_output against HBM bandwidth and the torch ops they replace, compiled with inductor
+(the model's path before the ops), same run.
 
-Run: pytest bench/bench_mla_prepare.py --benchmark-only -s       (one `op=mla_prepare` line per point)
+Run: pytest bench/bench_mla_absorb.py --benchmark-only -s    (`op=mla_prepare` / `op=mla_output` lines)
 
 Shapes: "2p2b" (the issue's config (a): 16 heads) and "k2_tp8" (a K2 TP-8 rank: 8 heads), K2's
 head dims (dn 128, dv 128, dc 512, dr 64); M in {1, 4} tokens.  Times are per call inside a CUDA
-graph (bench/conftest.py); calls cycle over LAYERS weight copies and cache layers, so W_UK is not
-L2-resident.  bytes = W_UK (h · dn · dc · 2) + q, ckv, the query and the cache rows written;
-gbs = bytes / time against read_gbs, a read-only reduction's rate measured in the same run (at
-these sizes, 1-2 MB, launch latency and one DRAM round trip dominate: the ceiling is not reachable).
+graph (bench/conftest.py); calls cycle over LAYERS weight copies (and cache layers), so W_UK / W_UV
+are not L2-resident.  bytes = the weight slice (h · dn · dc · 2 or h · dv · dc · 2) plus the
+activations read and written; gbs = bytes / time against read_gbs, a read-only reduction's rate
+measured in the same run (at 1-2 MB a call, launch latency and one DRAM round trip dominate: the
+ceiling is not reachable at these sizes).
 """
 import pytest
 import torch
 
 from torch_kdtree.models.kimi_k2.modeling import apply_rope
-from torch_kdtree.ops import mla_prepare, mla_prepare_reference
+from torch_kdtree.ops import mla_output, mla_output_reference, mla_prepare, mla_prepare_reference
 
 from .conftest import cuda_time_us, hbm_read_gbs, record, requires_cuda
 
@@ -83,5 +85,45 @@ def test_mla_prepare(benchmark, shape, M):
     gbs = nbytes / (us * 1e-6) / 1e9
     benchmark.pedantic(lambda: op(q, ckv, cos, sin, nw, ws[0], kv, 0, slots), rounds=5, iterations=1)
     record(benchmark, op="mla_prepare", shape=shape, M=M, heads=heads, us=us, MB=nbytes / 1e6, gbs=gbs,
+           read_gbs=read, ratio_to_read_bw=gbs / read, torch_compiled_us=torch_us,
+           speedup_vs_torch_compiled=torch_us / us, rel_err_vs_reference=err)
+
+
+def torch_output(o_lat, w, heads):
+    """The model's former compiled decode formula for o_lat W_UV^T (the gemv form)."""
+    w_uv = w.view(heads, DN + DV, DC)[:, DN:]
+    return (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(o_lat.dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", TOKENS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_mla_output(benchmark, shape, M):
+    heads = SHAPES[shape]
+    ws = [(torch.randn(heads * (DN + DV), DC, device="cuda") / DC ** 0.5).to(torch.bfloat16) for _ in range(LAYERS)]
+    o = torch.randn(M, heads, DC, device="cuda").to(torch.bfloat16)
+    state = {"i": 0}
+
+    def cycled(fn):
+        def run():
+            w = ws[state["i"] % LAYERS]
+            state["i"] += 1
+            return fn(o, w)
+        return run
+
+    us = cuda_time_us(cycled(lambda o, w: mla_output(o, w, DN)), calls_per_graph=4 * LAYERS)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda o, w: torch_output(o, w, heads), fullgraph=True, dynamic=False)
+    run = cycled(compiled)
+    run()
+    torch_us = cuda_time_us(run, calls_per_graph=4 * LAYERS)
+    want = mla_output_reference(o.cpu(), ws[0].cpu(), DN)
+    got = mla_output(o, ws[0], DN).cpu()
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    nbytes = heads * DV * DC * 2 + o.numel() * 2 + M * heads * DV * 2
+    read = hbm_read_gbs()
+    gbs = nbytes / (us * 1e-6) / 1e9
+    benchmark.pedantic(lambda: mla_output(o, ws[0], DN), rounds=5, iterations=1)
+    record(benchmark, op="mla_output", shape=shape, M=M, heads=heads, us=us, MB=nbytes / 1e6, gbs=gbs,
            read_gbs=read, ratio_to_read_bw=gbs / read, torch_compiled_us=torch_us,
            speedup_vs_torch_compiled=torch_us / us, rel_err_vs_reference=err)

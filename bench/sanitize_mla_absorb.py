@@ -1,10 +1,11 @@
-"""Representative mla_prepare calls for compute-sanitizer memcheck / racecheck: one token and a
-chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE layouts, a slot past the cache and a
-negative one (skipped by the kernel); each result against the CPU reference."""
+"""Representative mla_prepare and mla_output calls for compute-sanitizer memcheck / racecheck:
+mla_prepare with one token and a chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE
+layouts, a slot past the cache and a negative one (skipped by the kernel); mla_output with dv not a
+multiple of the block's 32 rows and dc 1024; each result against the CPU reference."""
 import torch
 
 import torch_kdtree  # noqa: F401
-from torch_kdtree.ops import mla_prepare, mla_prepare_reference, value_checks
+from torch_kdtree.ops import mla_output, mla_output_reference, mla_prepare, mla_prepare_reference, value_checks
 
 g = torch.Generator().manual_seed(0)
 
@@ -37,3 +38,16 @@ with value_checks(False):
     print(call(1, 8, 128, 128, 512, 64, True))
     print(call(17, 16, 128, 128, 512, 64, True))
     print(call(5, 4, 64, 32, 256, 32, False, bad_slots=True))
+
+
+def output(M, heads, dn, dv, dc):
+    o = torch.randn(M, heads, dc, generator=g).bfloat16()
+    w = (torch.randn(heads * (dn + dv), dc, generator=g) / dc ** 0.5).bfloat16()
+    got = mla_output(o.cuda(), w.cuda(), dn).cpu()
+    want = mla_output_reference(o, w, dn)
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    return "OK" if err < 1e-2 else f"MISMATCH {err}"
+
+
+print(output(1, 8, 128, 128, 512))
+print(output(5, 4, 64, 40, 1024))
