@@ -172,6 +172,28 @@ def test_models_prepare_path_matches_its_torch_path(monkeypatch):
     assert rel_err(b, a) <= 1e-5 and rel_err(tb, ta) <= 1e-5 and rel_err(kv_b, kv_a) <= 1e-6
 
 
+def test_models_op_choice_by_pass_size(monkeypatch):
+    """auto: mla_prepare only on CUDA bf16 passes of <= PREPARE_ROWS tokens, mla_output only after it
+    and for <= OUTPUT_ROWS tokens; always: both for any pass; 0: neither."""
+    from test_kimi_model import make_model
+
+    from torch_kdtree.models.kimi_k2 import modeling
+
+    model = make_model(5)
+    attn = model.model.layers[0].self_attn
+    cache = modeling.KimiK2Cache.for_model(model, 1, 8, dtype=torch.float32)
+    c = model.config
+    q = torch.zeros(1, 1, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+    monkeypatch.setattr(modeling, "_MLA_PREPARE", "auto")
+    assert not attn.prepare_op_ok(q, cache)  # CPU
+    assert attn.output_op_ok(modeling.OUTPUT_ROWS, True) and not attn.output_op_ok(modeling.OUTPUT_ROWS + 1, True)
+    assert not attn.output_op_ok(1, False)
+    monkeypatch.setattr(modeling, "_MLA_PREPARE", "always")
+    assert attn.prepare_op_ok(q, cache) and attn.output_op_ok(64, True)
+    monkeypatch.setattr(modeling, "_MLA_PREPARE", "0")
+    assert not attn.prepare_op_ok(q, cache) and not attn.output_op_ok(1, False)
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA
 # --------------------------------------------------------------------------------------------

@@ -44,14 +44,21 @@ from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
 LATENT_NORM_EPS = 1e-6
 
-# kdtree::mla_prepare / mla_output in tree passes (KimiK2Attention.prepare_op_ok): "auto" (default: CUDA, bf16,
-# at most PREPARE_ROWS tokens), "0" (never: the torch ops) or "always" (also on CPU, where the op
-# runs its reference; tests).  Read at import, a constant for torch.compile.
+# kdtree::mla_prepare / mla_output in tree passes (KimiK2Attention.prepare_op_ok / output_op_ok):
+# "auto" (default: CUDA, bf16, at most PREPARE_ROWS / OUTPUT_ROWS tokens), "0" (never: the torch
+# ops) or "always" (also on CPU and for any pass size, where the ops run their references; tests).
+# Read at import, a constant for torch.compile.
 _MLA_PREPARE = os.environ.get("KDTREE_MLA_PREPARE", "auto")
 if _MLA_PREPARE not in ("auto", "0", "always"):
     raise ValueError(f"KDTREE_MLA_PREPARE must be auto, 0 or always, got {_MLA_PREPARE!r}")
 _HAS_MLA_PREPARE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_prepare", "CUDA")
-PREPARE_ROWS = 32  # tokens per tree pass (R * N): the kernel re-reads W_UK from L2 per four tokens
+# Tokens per tree pass (R * N) up to which the ops replace the torch forms: the sizes measured
+# faster on the H200 (RESULTS.md, runs 49-50).  mla_prepare at 1 and 4 tokens (3.3-3.7 us against
+# inductor's 6.2-8.8); mla_output at 1 token (1.7 us against 1.9-2.1), but at 4 tokens it was slower
+# on the K2 rank (3.3 against 2.7 us: it walks the tokens one after another).  Larger passes (tree
+# verify) keep the torch forms until measured.
+PREPARE_ROWS = 4
+OUTPUT_ROWS = 1
 
 
 class KimiK2RMSNorm(nn.Module):
@@ -247,8 +254,7 @@ class KimiK2Attention(nn.Module):
 
     def prepare_op_ok(self, q: torch.Tensor, cache: KimiK2Cache) -> bool:
         """Whether a tree pass computes the attention query with one ``kdtree::mla_prepare`` launch
-        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption) and the heads' values from its
-        output with one ``kdtree::mla_output`` launch (W_UV): ``KDTREE_MLA_PREPARE`` is
+        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption): ``KDTREE_MLA_PREPARE`` is
         ``always``, or unset / ``auto`` with the CUDA kernel built, q bf16 on CUDA with at most
         PREPARE_ROWS tokens, a bf16 cache and plain bf16 kv_b_proj / kv_a_layernorm weights (no
         DTensor, no hooks) of the kernel's sizes.  ``0`` keeps the torch ops (A/B runs)."""
@@ -261,6 +267,12 @@ class KimiK2Attention(nn.Module):
                 and plain_bf16(self.kv_b_proj, self.kv_a_layernorm) and self.kv_lora_rank % 256 == 0
                 and self.kv_lora_rank <= 1024 and self.qk_nope_head_dim <= 256 and self.qk_rope_head_dim % 8 == 0
                 and self.qk_rope_head_dim <= 256)
+
+    def output_op_ok(self, rows: int, prepared: bool) -> bool:
+        """Whether the heads' values come from one ``kdtree::mla_output`` launch (W_UV): a pass that
+        :meth:`prepare_op_ok` accepted (the same weights, dtypes and devices) with at most
+        OUTPUT_ROWS tokens, or ``KDTREE_MLA_PREPARE=always``."""
+        return _MLA_PREPARE == "always" or (prepared and rows <= OUTPUT_ROWS)
 
     def _absorbed(self, x, q, ckv, cos, sin, batch: _Tree, layer_idx, residual=None):
         """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
@@ -287,7 +299,7 @@ class KimiK2Attention(nn.Module):
             q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale)
-        if prepared:
+        if self.output_op_ok(R * N, prepared):
             heads = o_lat.shape[2]
             out = mla_output(o_lat.reshape(R * N, heads, -1), self.kv_b_proj.weight, self.qk_nope_head_dim).to(x.dtype)
         elif use_gemv_rows(R * N, x, w_uv):
