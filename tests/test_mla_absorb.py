@@ -61,6 +61,22 @@ def _oracle(a, interleave):
     return torch.cat([q_abs, rope(q[:, :, dn:])], dim=-1), latent
 
 
+def _compiled_graph(fn):
+    """torch.compile(fn, fullgraph=True), warmed up on a side stream, captured in a CUDA graph:
+    (graph, the output tensor its replays write)."""
+    compiled = torch.compile(fn, fullgraph=True)
+    compiled()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        compiled()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled()
+    return graph, out
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -251,16 +267,7 @@ def test_cuda_compiles_with_fullgraph_and_replays_in_a_graph(fresh_seed):
         return mla_prepare(q, ckv, a["cos"], a["sin"], a["norm_weight"], 1e-6, a["w_kv_b"], a["kv_cache"], 1,
                            a["slots"])
 
-    compiled = torch.compile(step, fullgraph=True)
-    compiled()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        compiled()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled()
+    graph, out = _compiled_graph(step)
     for seed in (fresh_seed + 1, fresh_seed + 2):
         b = _inputs(seed, 1, 8, 128, 128, 512, 64, device="cuda")
         q.copy_(b["q"])
@@ -373,16 +380,7 @@ def test_cuda_output_kernel_matches_reference(fresh_seed, M, heads, dn, dv, dc):
 def test_cuda_output_opcheck_compile_and_graph_replay(fresh_seed):
     o, w = _output_inputs(fresh_seed, 2, 8, 128, 128, 512, device="cuda")
     torch.library.opcheck(torch.ops.kdtree.mla_output.default, (o, w, 128))
-    compiled = torch.compile(lambda: mla_output(o, w, 128), fullgraph=True)
-    compiled()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        compiled()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled()
+    graph, out = _compiled_graph(lambda: mla_output(o, w, 128))
     for seed in (fresh_seed + 1, fresh_seed + 2):
         fresh, _ = _output_inputs(seed, 2, 8, 128, 128, 512, device="cuda")
         o.copy_(fresh)
