@@ -19,8 +19,26 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
+// ld_stream for a weight load issued before pdl_wait (pdl.cuh) that must stay there: ptxas moves a
+// read-only (.nc) load whose result is first used after griddepcontrol.wait to after it (sm_90
+// SASS: LDG.E.128.CONSTANT after ACQBULK) but keeps a coherent one in place; volatile, so the
+// compiler keeps the order too.  Only for data no kernel writes (model weights).
+__device__ __forceinline__ uint4 ld_stream_early(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// The eight bf16 values of v as floats, in memory order.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  f[0] = bf16_lo(v.x), f[1] = bf16_hi(v.x), f[2] = bf16_lo(v.y), f[3] = bf16_hi(v.y);
+  f[4] = bf16_lo(v.z), f[5] = bf16_hi(v.z), f[6] = bf16_lo(v.w), f[7] = bf16_hi(v.w);
+}
 
 // Σ of the 8 bf16 products of a and b, in fp32.
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {

@@ -59,17 +59,6 @@ struct Params {
   bool interleave;
 };
 
-// A weight load issued before pdl_wait that stays there: ptxas moves a read-only (.nc) load whose
-// result is first used after griddepcontrol.wait to after it (sm_90 SASS: LDG.E.128.CONSTANT after
-// ACQBULK), but keeps a coherent one in place; volatile, so the compiler keeps the order too.
-__device__ __forceinline__ uint4 ld_stream_early(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Rotated pair j of a dr-wide vector x: (x1 c - x2 s, x2 c + x1 s), stored at j and j + dr / 2.
 __device__ __forceinline__ void rope_pair(const bf16* x, bf16* dst, float c, float s, int j, int dr, bool interleave) {
   const int half = dr / 2;
@@ -111,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[mm][j] = 0.f;
       auto row = [&](const uint4& raw, int d) {
-        const float wf[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                             bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+        float wf[8];
+        unpack8(raw, wf);
 #pragma unroll
         for (int mm = 0; mm < kChunk; ++mm) {
           const float qv = qn[mm][d];
@@ -167,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
     const int g = lane + 32 * i;
     if (8 * g < p.dc) {
       const uint4 raw = *reinterpret_cast<const uint4*>(c + 8 * g);
-      const float f[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                          bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+      float f[8];
+      unpack8(raw, f);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         v[i][j] = f[j];
@@ -183,8 +172,8 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
     const int g = lane + 32 * i;
     if (8 * g < p.dc) {
       const uint4 nw = __ldg(reinterpret_cast<const uint4*>(p.norm_w + 8 * g));
-      const float wn[8] = {bf16_lo(nw.x), bf16_hi(nw.x), bf16_lo(nw.y), bf16_hi(nw.y),
-                           bf16_lo(nw.z), bf16_hi(nw.z), bf16_lo(nw.w), bf16_hi(nw.w)};
+      float wn[8];
+      unpack8(nw, wn);
       uint32_t y[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
