@@ -16,8 +16,7 @@
 //     of model weights into registers (never written by any kernel of the step; mla_absorb.cu's
 //     kernels, with ld_stream_early's coherent ld.global: ptxas moves a read-only ld.global.nc
 //     whose result is first used after griddepcontrol.wait to after it) and, in a successor of one
-//     of our kernels, loads
-//     of data two kernels back through L2 (ldcg).
+//     of our kernels, loads of data two kernels back through L2 (ldcg).
 // Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
 // KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs).
 #pragma once
