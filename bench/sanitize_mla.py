@@ -1,5 +1,6 @@
 """Representative mla_tree_attention calls for compute-sanitizer memcheck / racecheck: both tiles
-(16-row and 64-row), split + combine and single-split paths, tree masks, odd page size, padding rows."""
+(16-row and 64-row), split + combine and single-split paths, tree masks, odd page size, padding rows;
+each with and without prefix_ready (the 16-row tile's committed key tiles copied before the wait)."""
 import torch
 
 import torch_kdtree  # noqa: F401
@@ -8,7 +9,7 @@ from torch_kdtree.ops import ddtree_build, mla_tree_attention, value_checks
 g = torch.Generator(device="cuda").manual_seed(0)
 
 
-def call(R, N, H, page_size, lens):
+def call(R, N, H, page_size, lens, prefix_ready=False):
     max_keys = max(lens) + N
     pages_per_req = (max_keys + page_size - 1) // page_size + 1
     kv = torch.randn(R * pages_per_req, page_size, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -22,11 +23,14 @@ def call(R, N, H, page_size, lens):
         vis = torch.ones(R, 1, 1, device="cuda", dtype=torch.bool)
     lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
     out, lse = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True)
-    return out.float().abs().sum().item()
+    out2, lse2 = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True, prefix_ready=True)
+    same = torch.equal(out, out2) and torch.equal(lse, lse2)
+    return f"{out.float().abs().sum().item()} {'same' if same else 'MISMATCH with prefix_ready'}"
 
 
 with value_checks(False):
     print(call(2, 1, 8, 16, [1200, 40]))      # 16-row tile, several splits, an early-exiting split
+    print(call(3, 1, 16, 16, [31, 40, 64]))   # 16-row tile: key tiles whole, cut by the length, none
     print(call(1, 5, 16, 7, [1500]))          # 64-row tile (80 rows: one partial block), page size 7
     print(call(1, 9, 64, 64, [100]))          # 576 rows, one split, tree tiles
 torch.cuda.synchronize()

@@ -226,6 +226,20 @@ def test_cuda_results_are_deterministic(fresh_seed):
 
 
 @requires_kernel
+@pytest.mark.parametrize("M,K,Ns,prologue", [(1, 2048, (1536, 576), "norm"), (4, 7168, (300,), None)])
+def test_cuda_prewait_loads_give_the_same_bits(fresh_seed, monkeypatch, M, K, Ns, prologue):
+    """KDTREE_PREWAIT (read per call) only moves the first weight loads before the programmatic-launch
+    wait: the outputs are bit-identical either way."""
+    x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, False)
+    monkeypatch.setenv("KDTREE_PREWAIT", "0")
+    late = gemv(x, weights, **kw)
+    monkeypatch.setenv("KDTREE_PREWAIT", "gemv")
+    early = gemv(x, weights, **kw)
+    for a, b in zip(early, late):
+        assert torch.equal(a, b)
+
+
+@requires_kernel
 def test_cuda_reads_no_rows_past_its_inputs(fresh_seed):
     """x and up as the first rows of NaN-filled buffers (M = 5: one full block of rows and one
     short one): a read of a row past M would turn outputs into NaN."""

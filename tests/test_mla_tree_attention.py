@@ -192,6 +192,15 @@ def test_opcheck_cpu():
     lse = torch.empty(2, 4, 2)
     torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse))
     torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, None))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention.default, (q, kv, bt, cl, vis, SCALE, True))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse, True))
+
+
+def test_prefix_ready_does_not_change_the_result_cpu(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, kv, bt, cl, vis, _ = make_case(2, 4, 2, 8, [11, 3], gen)
+    want = mla_tree_attention(q, kv, bt, cl, vis, SCALE)
+    assert torch.equal(mla_tree_attention(q, kv, bt, cl, vis, SCALE, prefix_ready=True), want)
 
 
 def test_torch_compile_fullgraph_cpu(fresh_seed):
@@ -241,6 +250,12 @@ def _kernel_vs_reference(q, kv, bt, cl, vis):
     assert err < BF16_TOL, f"relative error {err:.3e}"
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3)
     assert torch.equal(torch.ops.kdtree.mla_tree_attention(q, kv, bt, cl, vis, SCALE), out)
+    # prefix_ready (committed key tiles copied before the programmatic-launch wait) changes only
+    # when the copies are issued: the same bits
+    out2 = torch.full_like(out, float("nan"))
+    lse2 = torch.full_like(lse, float("nan"))
+    torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, cl, vis, SCALE, out2, lse2, True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
     return err
 
 
@@ -248,6 +263,7 @@ def _kernel_vs_reference(q, kv, bt, cl, vis):
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("R,N,H,lens", [
     (1, 1, 8, [700]),                 # decode, 8 rows: the 16-row tile, split over the sequence
+    (3, 1, 16, [31, 40, 64]),         # decode: committed key tiles whole, cut by L, or none
     (3, 5, 8, [0, 333, 2000]),        # ragged, an empty prefix, tree tiles straddling pages
     (2, 17, 16, [4097, 65]),          # 272 rows: several 64-row blocks, one partial
     (1, 3, 128, [1500]),              # H = 128
@@ -322,6 +338,8 @@ def test_opcheck_cuda():
     lse = torch.empty(2, 4, 8, device="cuda")
     torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse))
     torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, None))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention.default, (q, kv, bt, cl, vis, SCALE, True))
+    torch.library.opcheck(torch.ops.kdtree.mla_tree_attention_out.default, (q, kv, bt, cl, vis, SCALE, out, lse, True))
 
 
 @requires_cuda
@@ -341,7 +359,8 @@ def test_torch_compile_fullgraph_cuda(fresh_seed):
 
 
 @requires_cuda
-def test_cuda_graph_replays_with_changed_lengths(fresh_seed):
+@pytest.mark.parametrize("prefix_ready", [False, True])
+def test_cuda_graph_replays_with_changed_lengths(fresh_seed, prefix_ready):
     gen = torch.Generator().manual_seed(fresh_seed)
     R, N, H, page_size = 2, 16, 8, 64
     # the block table covers 40k positions; lengths change between replays, shapes never do
@@ -353,11 +372,11 @@ def test_cuda_graph_replays_with_changed_lengths(fresh_seed):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse)
+        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse, prefix_ready)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse)
+        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse, prefix_ready)
     for lens in ([10, 10], [39000, 5], [0, 25000], [40000 - N, 257]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))

@@ -274,6 +274,20 @@ def test_cuda_duplicate_and_out_of_range_ids(fresh_seed):
 
 
 @requires_kernel
+@pytest.mark.parametrize("T,k,E,H,I,Is", [(1, 8, 64, 2048, 512, 512), (3, 6, 10, 136, 24, 1040), (2, 3, 8, 256, 64, 0)])
+def test_cuda_prewait_loads_give_the_same_bits(fresh_seed, monkeypatch, T, k, E, H, I, Is):
+    """KDTREE_PREWAIT (read per call) only moves the down kernel's first weight loads before the
+    programmatic-launch wait: the outputs are bit-identical either way."""
+    args = cuda_case(fresh_seed, T, k, E, H, I)
+    if Is:
+        args = args + make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
+    monkeypatch.setenv("KDTREE_PREWAIT", "0")
+    late = moe_gemv(*args)
+    monkeypatch.setenv("KDTREE_PREWAIT", "moe_gemv")
+    assert torch.equal(moe_gemv(*args), late)
+
+
+@requires_kernel
 def test_cuda_results_are_deterministic(fresh_seed):
     args = cuda_case(fresh_seed, 4, 8, 64, 1024, 256)
     first = moe_gemv(*args)

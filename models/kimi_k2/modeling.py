@@ -297,8 +297,10 @@ class KimiK2Attention(nn.Module):
             else:
                 q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
             q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
+        # prefix_ready: the kernels just before this one write only q and the new tokens' rows; the
+        # lengths, block table and committed rows date from earlier steps.
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
-                                   self.softmax_scale)
+                                   self.softmax_scale, prefix_ready=True)
         if self.output_op_ok(R * N, prepared):
             heads = o_lat.shape[2]
             out = mla_output(o_lat.reshape(R * N, heads, -1), self.kv_b_proj.weight, self.qk_nope_head_dim).to(x.dtype)

@@ -29,11 +29,13 @@ TORCH_LIBRARY(kdtree, m) {
   // Absorbed-MLA attention of N tree nodes x H heads over one layer's paged latent cache
   // (d_k 576 = 512 latent + 64 rope, d_v 512): node i sees positions [0, cache_lens[r]) and
   // tree node j (stored at cache_lens[r] + j) iff visible[r, i, j].
+  // prefix_ready: cache_lens, block_table and the committed rows [0, cache_lens) were written two or
+  // more kernels before this one, so the CUDA kernel may read them before its programmatic-launch wait.
   m.def("mla_tree_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
-        " Tensor visible, float softmax_scale) -> Tensor");
+        " Tensor visible, float softmax_scale, bool prefix_ready=False) -> Tensor");
   // Same, into caller-owned out [R, N, H, 512] and optionally lse float32 [R, N, H] (natural log).
   m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
-        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse, bool prefix_ready=False) -> ()");
 
   // RoPE, kv_a_layernorm, the cache write (in place, at kv_cache[layer] and the flat slots) and the
   // W_UK absorption of a decode / tree-verify pass: the query [M, h, dc + dr] of mla_tree_attention

@@ -7,10 +7,11 @@
 //   per block; output rows 0 .. N-1 run over the concatenated weights, warp w of the grid's W
 //   warps takes rows w, w + W, ... for the block's rows m of x.
 //   0. Launched with programmatic dependent launch (pdl.cuh): before waiting for the previous
-//      kernel, each warp prefetches its first weight row into L2.
-//   1. Each lane issues the loads of its first item (kB 16-byte chunks of its first row;
-//      streaming, no L1 allocation) before anything else, so weight bytes are in flight during
-//      the prologue.
+//      kernel, each warp prefetches its first weight row into L2 and loads its first item (kB
+//      16-byte chunks per lane of that row) into registers -- coherent loads, which ptxas keeps
+//      before the wait (bf16_vec.cuh's ld_stream_early); KDTREE_PREWAIT without "gemv" moves
+//      these loads after the wait, where they are issued before anything else.
+//   1. So weight bytes are in flight during the prologue (and, with PDL, during the predecessor).
 //   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
 //      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
 //      bf16(norm_weight · bf16(x · rsqrt(mean + eps)))); or bf16(silu(x) · up) (SwiGLU, x the
@@ -64,6 +65,7 @@ struct Params {
   const __nv_bfloat16* residual;  // [M, seg[0].n] or nullptr
   float eps;
   int M, K, rows_per_block, prologue, nseg, rows_total;
+  bool early;                     // the first item's loads before pdl_wait
   Segment seg[kMaxWeights];
 };
 
@@ -164,14 +166,14 @@ __device__ __forceinline__ Segment locate(const Params& p, int rho) {
   return seg;
 }
 
-template <int kB>
+template <int kB, bool kEarly = false>
 __device__ __forceinline__ void load_chunks(const Params& p, int rho, int base, int chunks, int lane, uint4 (&buf)[kB]) {
   const Segment seg = locate(p, rho);
   const uint4* w = reinterpret_cast<const uint4*>(seg.w) + int64_t(rho - seg.row_begin) * chunks;
 #pragma unroll
   for (int u = 0; u < kB; ++u) {
     const int c = base + lane + 32 * u;
-    if (c < chunks) buf[u] = ld_stream(w + c);
+    if (c < chunks) buf[u] = kEarly ? ld_stream_early(w + c) : ld_stream(w + c);
   }
 }
 
@@ -189,16 +191,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   const int stride = int(gridDim.x) * kWarps;
   int rho = int(blockIdx.x) * kWarps + warp, b = 0;
 
-  // Before the predecessor is done (PDL): this warp's first row into L2, nothing else.
+  // Before the predecessor is done (PDL): this warp's first row into L2 and its first item into
+  // registers (weights only: no kernel writes them).
+  uint4 cur[kB];
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
     l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
+    if (p.early) load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
   }
   pdl_wait();
   pdl_launch_dependents();
 
-  uint4 cur[kB];
-  if (rho < p.rows_total) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
+  if (rho < p.rows_total && !p.early) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
@@ -340,6 +344,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   p.rows_per_block = int(rows_per_block);
   p.nseg = int(nw);
   p.rows_total = int(rows_total);
+  p.early = prewait_enabled("gemv");
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
   const Tuning tune = tuning();

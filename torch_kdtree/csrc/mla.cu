@@ -82,6 +82,7 @@ struct Params {
   int max_keys;                // max_pages * page_size
   int num_splits;
   int min_chunk;               // kMinChunk
+  bool early;                  // committed key tiles copied before pdl_wait (prefix_ready, KDTREE_PREWAIT)
   float scale_log2;            // softmax_scale * log2(e)
 };
 
@@ -186,27 +187,31 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int N = p.N, M = p.M, H = p.H;
   const int row0 = rb * kBM;
 
+  // Programmatic dependent launch (pdl.cuh): the query and the new tokens' cache rows [L, L + N)
+  // may come from the previous kernel.  With p.early (the caller's prefix_ready) the lengths, the
+  // block table and the committed rows [0, L) were written two or more kernels back, so they are
+  // read before the wait, through L2; otherwise the kernel waits first.
+  // Only the small tile (decode) copies early: the large one (verify) has no registers to spare.
+  const bool early = STAGES == 2 && MT == 1 && p.early;
+  if (!early) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   // The host checked max_keys >= N; a bad length must not send reads past the block table.
-  const int L = min(max(p.cache_lens[r], 0), p.max_keys - N);
+  const int L = min(max(__ldcg(p.cache_lens + r), 0), p.max_keys - N);
   const int total = L + N;
   int k_begin, k_end;
   split_range(total, p.num_splits, split, BN, p.min_chunk, k_begin, k_end);
   if (k_begin >= k_end) {  // only splits > 0 can be empty: mark their rows for the combine
+    if (early) {
+      pdl_wait();
+      pdl_launch_dependents();
+    }
     for (int i = tid; i < kBM; i += T::kThreads)
       if (row0 + i < M) p.lse_part[(int64_t(r) * p.num_splits + split) * M + row0 + i] = -INFINITY;
     return;
   }
   const int n_tiles = (k_end - k_begin + BN - 1) / BN;
-
-  // ---- loads ----
-  {
-    const __nv_bfloat16* q_r = p.q + int64_t(r) * M * kD;
-    for (int i = tid; i < kBM * kRowChunks; i += T::kThreads) {
-      const int row = i / kRowChunks, c = i - row * kRowChunks;
-      const bool ok = row0 + row < M;
-      cp_async16(sQ + kv_off(row, c), ok ? q_r + int64_t(row0 + row) * kD + c * 8 : p.q, ok ? 16 : 0);
-    }
-  }
   const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
   auto load_tile = [&](int tile, int stage) {
     constexpr int kKeysPerPass = T::kThreads / 8;
@@ -220,7 +225,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       int bytes = 0;
       if (pos < k_end) {  // pos < max_keys, so pos / page_size < max_pages
         const int lp = pos / p.page_size;
-        const int page = bt_r[lp];
+        const int page = __ldcg(bt_r + lp);
         if (page >= 0 && page < p.num_pages) {
           src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kD;
           bytes = 16;
@@ -230,7 +235,28 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       for (int c = sub; c < kRowChunks; c += 8) cp_async16(dst + kv_off(key, c), bytes ? src + c * 8 : p.kv, bytes);
     }
   };
-  load_tile(0, 0);
+  // ---- loads ----
+  // Before the wait (p.early): the first `pre` tiles, those made of committed keys only (below L),
+  // at most one per stage.  With two stages every wait in the loop is for all copies issued, so
+  // the copy groups need no further bookkeeping; deeper rings keep the plain order.
+  int pre = 0;
+  if (early)
+    while (pre < min(n_tiles, STAGES) && k_begin + (pre + 1) * BN <= L) ++pre;
+  for (int s = 0; s < pre; ++s) load_tile(s, s);
+  cp_async_commit();
+  if (early) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  {
+    const __nv_bfloat16* q_r = p.q + int64_t(r) * M * kD;
+    for (int i = tid; i < kBM * kRowChunks; i += T::kThreads) {
+      const int row = i / kRowChunks, c = i - row * kRowChunks;
+      const bool ok = row0 + row < M;
+      cp_async16(sQ + kv_off(row, c), ok ? q_r + int64_t(row0 + row) * kD + c * 8 : p.q, ok ? 16 : 0);
+    }
+  }
+  if (pre == 0) load_tile(0, 0);
   cp_async_commit();
 #pragma unroll
   for (int s = 1; s < STAGES - 1; ++s) {
@@ -265,7 +291,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
     __syncthreads();  // tile j landed for every thread; every warp is done with tile j - 1
     {
       const int nt = j + STAGES - 1;
-      if (nt < n_tiles) load_tile(nt, nt % STAGES);
+      if (nt < n_tiles && nt >= pre) load_tile(nt, nt % STAGES);
       cp_async_commit();
     }
     const uint32_t sKs = sK + (j % STAGES) * T::kKBytes;
@@ -438,8 +464,7 @@ constexpr int kSm120SmemPerBlock = 101376;
 template <int MT, int RG, int BN, int STAGES>
 __global__ void __launch_bounds__(Tile<MT, RG, BN, STAGES>::kThreads, RG == 1 ? 2 : 1)
 mla_tree_attention_kernel(const Params p) {
-  pdl_wait();  // programmatic dependent launch (pdl.cuh): the query and the cache come from earlier kernels
-  pdl_launch_dependents();
+  // programmatic dependent launch (pdl.cuh): attention_tile_loop waits after its first key copies
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   // The host launches a tile only where the device's opt-in shared memory holds it, so tiles
   // larger than sm_120's 99 KB are never compiled for it.
@@ -571,7 +596,7 @@ void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, int
 
 void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                  const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
-                                 at::Tensor out, const std::optional<at::Tensor>& lse) {
+                                 at::Tensor out, const std::optional<at::Tensor>& lse, bool prefix_ready) {
   constexpr const char* op = "kdtree::mla_tree_attention";
   check_cuda(q, "q", at::kBFloat16, 4);
   check_cuda(kv_cache, "kv_cache", at::kBFloat16, 3);
@@ -640,6 +665,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   p.max_keys = int(max_keys);
   p.num_splits = splits;
   p.min_chunk = min_chunk;
+  p.early = prefix_ready && prewait_enabled("mla");
   p.scale_log2 = float(softmax_scale * double(kLog2e));
   at::Tensor o_part, lse_part;
   if (splits > 1) {  // static size: one CUDA graph serves every length
@@ -662,10 +688,12 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
 }
 
 at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                   const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale) {
+                                   const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
+                                   bool prefix_ready) {
   KD_CHECK(q.dim() == 4, "kdtree::mla_tree_attention: q must be [R, N, H, 576], got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDV}, q.options());
-  mla_tree_attention_out_cuda(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, std::nullopt);
+  mla_tree_attention_out_cuda(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, std::nullopt,
+                              prefix_ready);
   return out;
 }
 

@@ -13,7 +13,10 @@
 //      rows in flight at a time (the shared expert's first chunks loaded up front), then one
 //      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32.
 // Both launches use programmatic dependent launch (pdl.cuh): before its wait, gate/up prefetches the
-// shared expert's rows into L2 and down the rows its token's experts will need.
+// shared expert's rows into L2 and down the rows its token's experts will need, and down loads its
+// first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's
+// row into registers (coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without
+// "moe_gemv" issues them after the wait instead).
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
@@ -29,6 +32,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 
 namespace kdtree {
@@ -39,9 +44,10 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxTopk = 16;
 constexpr int kSlotBatch = 4;  // down: slots whose rows a warp streams together
 constexpr int kSharedBatch = 2;  // down: 16-byte chunks per lane of the shared expert's row loaded up front
+constexpr int kEarlyChunks = 1;  // down: 16-byte chunks per lane of the first slots' rows loaded up front
 
 // NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
-template <int NB>
+template <int NB, bool kSync>
 __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur, const uint4* xr, int c, float& g,
                                                float& u) {
   uint4 gv[NB], uv[NB], xv[NB];
@@ -52,6 +58,10 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
   }
 #pragma unroll
   for (int s = 0; s < NB; ++s) xv[s] = __ldg(xr + c + 32 * s);
+  // A memory barrier for the warp's loads: ptxas cannot sink a load below it, so all 3·NB loads
+  // are in flight together (without it, it interleaved them with the FMAs of earlier chunks,
+  // about two weight loads in flight per lane).
+  if (kSync) __syncwarp();
 #pragma unroll
   for (int s = 0; s < NB; ++s) {
     g = dot8(gv[s], xv[s], g);
@@ -61,6 +71,7 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 
 // Slots 0 .. T·k - 1 are the routed (token, slot) pairs; with a shared expert, slots T·k + t are
 // token t's shared expert (weights [Is, H], activations after the routed ones in act).
+template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
@@ -89,9 +100,9 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     const uint4* gr = reinterpret_cast<const uint4*>((is_shared ? shared_gate : gate) + row);
     const uint4* ur = reinterpret_cast<const uint4*>((is_shared ? shared_up : up) + row);
     int c = lane;
-    for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8>(gr, ur, xr, c, g, u);
-    for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4>(gr, ur, xr, c, g, u);
-    for (; c < chunks; c += 32) gate_up_chunks<1>(gr, ur, xr, c, g, u);
+    for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8, kSync>(gr, ur, xr, c, g, u);
+    for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kSync>(gr, ur, xr, c, g, u);
+    for (; c < chunks; c += 32) gate_up_chunks<1, kSync>(gr, ur, xr, c, g, u);
   }
   g = warp_sum(g);
   u = warp_sum(u);
@@ -102,14 +113,35 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)  // two blocks per SM: H / 8 blocks per token in one wave
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
-                const __nv_bfloat16* __restrict__ shared_down, int Is, int T, __nv_bfloat16* __restrict__ out) {
+                const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
+                __nv_bfloat16* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
+  const int chunks = I / 8, schunks = Is / 8;
+  // The first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows (w0) and of the
+  // shared expert's row (sw): loaded before the wait when `early`, else right after it.
+  uint4 w0[kSlotBatch][kEarlyChunks], sw[kSharedBatch];
+  const uint4* sr = shared_down != nullptr ? reinterpret_cast<const uint4*>(shared_down + int64_t(h) * Is) : nullptr;
+  auto first_loads = [&](const int (&e0)[kSlotBatch], auto load) {
+#pragma unroll
+    for (int q = 0; q < kSlotBatch; ++q)
+#pragma unroll
+      for (int u = 0; u < kEarlyChunks; ++u) {
+        const int c = lane + 32 * u;
+        if (e0[q] >= 0 && c < chunks) w0[q][u] = load(reinterpret_cast<const uint4*>(down + (int64_t(e0[q]) * H + h) * I) + c);
+      }
+    if (sr != nullptr) {
+#pragma unroll
+      for (int q = 0; q < kSharedBatch; ++q)
+        if (lane + 32 * q < schunks) sw[q] = load(sr + lane + 32 * q);
+    }
+  };
   // Before gate/up is done: the ids (two kernels back, complete once gate/up let this grid
-  // launch; read through L2) and this warp's down rows into L2.
+  // launch; read through L2), this warp's down rows into L2 and the first chunks into registers.
+  int e0[kSlotBatch];
   if (h < H) {
     int es[kMaxTopk];  // all ids first: one L2 round trip
 #pragma unroll
@@ -118,30 +150,25 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
     for (int j = 0; j < kMaxTopk; ++j)
       if (es[j] >= 0 && es[j] < E) l2_prefetch_range(down + (int64_t(es[j]) * H + h) * I, int64_t(I) * 2, lane);
     if (shared_down != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
+#pragma unroll
+    for (int q = 0; q < kSlotBatch; ++q) e0[q] = es[q] >= 0 && es[q] < E ? es[q] : -1;
+    if (early) first_loads(e0, [](const uint4* a) { return ld_stream_early(a); });
   }
   pdl_wait();
   pdl_launch_dependents();
   if (h >= H) return;
-  const int chunks = I / 8;
+  if (!early) first_loads(e0, [](const uint4* a) { return ld_stream(a); });
   float acc = 0.f;
   // The shared expert (weight 1): its first kSharedBatch chunks per lane in flight with the
   // routed slots' loads, the rest (Is > 256 · kSharedBatch) after them.
   float sd = 0.f;
-  uint4 sw[kSharedBatch], sa[kSharedBatch];
-  const uint4* sr = nullptr;
+  uint4 sa[kSharedBatch];
   const uint4* sar = nullptr;
-  const int schunks = Is / 8;
   if (shared_down != nullptr) {
-    sr = reinterpret_cast<const uint4*>(shared_down + int64_t(h) * Is);
     sar = reinterpret_cast<const uint4*>(act + int64_t(T) * k * I + int64_t(t) * Is);
 #pragma unroll
-    for (int q = 0; q < kSharedBatch; ++q) {
-      const int c = lane + 32 * q;
-      if (c < schunks) {
-        sw[q] = ld_stream(sr + c);
-        sa[q] = __ldg(sar + c);
-      }
-    }
+    for (int q = 0; q < kSharedBatch; ++q)
+      if (lane + 32 * q < schunks) sa[q] = __ldg(sar + lane + 32 * q);
   }
   for (int j0 = 0; j0 < k; j0 += kSlotBatch) {  // kSlotBatch slots' rows in flight together
     const uint4* wr[kSlotBatch];
@@ -158,8 +185,23 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
     }
+    int c = lane;
+    if (j0 == 0) {  // the first chunks, already in registers
+#pragma unroll
+      for (int u = 0; u < kEarlyChunks; ++u, c += 32) {
+        if (c < chunks) {
+          uint4 av[kSlotBatch];
+#pragma unroll
+          for (int q = 0; q < kSlotBatch; ++q)
+            if (ok[q]) av[q] = __ldg(ar[q] + c);
+#pragma unroll
+          for (int q = 0; q < kSlotBatch; ++q)
+            if (ok[q]) d[q] = dot8(w0[q][u], av[q], d[q]);
+        }
+      }
+    }
 #pragma unroll 2
-    for (int c = lane; c < chunks; c += 32) {
+    for (; c < chunks; c += 32) {
       uint4 wv[kSlotBatch], av[kSlotBatch];
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
@@ -247,14 +289,17 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
   const bool pdl = pdl_enabled("moe_gemv");
-  launch_kernel(moe_gate_up_kernel, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
+  // KDTREE_MOE_GEMV_SYNC=0: the gate/up kernel without its load barrier (A/B runs).
+  const char* sync_env = std::getenv("KDTREE_MOE_GEMV_SYNC");
+  const bool sync = sync_env == nullptr || std::strcmp(sync_env, "0") != 0;
+  launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
                 int(Is), int(T), actp);
   launch_kernel(moe_down_kernel, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
-                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+                prewait_enabled("moe_gemv"), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   return out;
 }
 

@@ -54,10 +54,10 @@ __device__ __forceinline__ void l2_prefetch_range(const void* p, int64_t bytes, 
   for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128) l2_prefetch(c + off);
 }
 
-// Whether the kernels of `group` (gemv, moe_gemv, moe_route, mla, int4) launch with PDL: yes unless
-// KDTREE_PDL is "0", or a comma-separated list of groups that does not name this one.
-inline bool pdl_enabled(const char* group) {
-  const char* v = std::getenv("KDTREE_PDL");
+// Whether environment variable `var` enables `group`: yes when it is unset or "1", no when it is "0",
+// else whether it is a comma-separated list of groups that names this one.
+inline bool env_group_enabled(const char* var, const char* group) {
+  const char* v = std::getenv(var);
   if (v == nullptr || std::strcmp(v, "1") == 0) return true;
   if (std::strcmp(v, "0") == 0) return false;
   const size_t n = std::strlen(group);
@@ -70,6 +70,14 @@ inline bool pdl_enabled(const char* group) {
   }
   return false;
 }
+
+// Whether the kernels of `group` (gemv, moe_gemv, moe_route, mla, int4) launch with PDL (KDTREE_PDL).
+inline bool pdl_enabled(const char* group) { return env_group_enabled("KDTREE_PDL", group); }
+
+// Whether the kernels of `group` (gemv, moe_gemv, mla) load data into registers or shared memory
+// before their wait (KDTREE_PREWAIT, read per call like KDTREE_PDL; for A/B runs).  Off, they only
+// prefetch into L2 there, as before.
+inline bool prewait_enabled(const char* group) { return env_group_enabled("KDTREE_PREWAIT", group); }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true and
 // thread-block clusters of `cluster` blocks when that is not (1, 1, 1).

@@ -97,13 +97,15 @@ def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
 
 def mla_tree_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                  cache_lens: torch.Tensor, visible: torch.Tensor,
-                                 softmax_scale: float) -> torch.Tensor:
-    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention``."""
+                                 softmax_scale: float, prefix_ready: bool = False) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention`` (``prefix_ready`` is
+    a scheduling hint for the CUDA kernel; it does not change the result)."""
     _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
     return _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)[0]
 
 
-def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse) -> None:
+def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse,
+                                     prefix_ready: bool = False) -> None:
     """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention_out``."""
     _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
     o, m = _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
@@ -114,7 +116,7 @@ def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visib
 
 def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
                        visible: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
-                       return_lse: bool = False):
+                       return_lse: bool = False, prefix_ready: bool = False):
     """Absorbed-MLA attention of N tree nodes over one layer's paged latent KV cache.
 
     Args:
@@ -132,6 +134,12 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         softmax_scale: multiplies q·k before the softmax (K2: 192**-0.5 · mscale², kimi_k2.md).
         out: optional caller-owned [R, N, H, 512] output in q's dtype (the hot path: no allocation).
         return_lse: also return the log-sum-exp float32 [R, N, H] (natural log, scaled scores).
+        prefix_ready: the caller's promise that cache_lens, block_table and the committed rows
+            [0, cache_lens[r]) of kv_cache were not written by the kernel launched just before this
+            op (only by earlier ones), so the CUDA kernel, launched with programmatic dependent
+            launch, may copy committed keys before waiting for that kernel (the model's passes: the
+            previous kernel writes only the query and the new rows).  It never changes the result;
+            leave it False when in doubt.
 
     Returns ``out`` [R, N, H, 512] = softmax(scale · q·kᵀ over the visible keys) · v with v the
     first 512 dims of each key, or ``(out, lse)`` when ``return_lse``. A row that sees no key
@@ -141,13 +149,14 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     """
     if out is None and not return_lse:
         _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
-        return torch.ops.kdtree.mla_tree_attention(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale))
+        return torch.ops.kdtree.mla_tree_attention(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale),
+                                                   bool(prefix_ready))
     if out is None:
         out = q.new_empty((*q.shape[:3], V_DIM))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
     _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
     torch.ops.kdtree.mla_tree_attention_out(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale),
-                                            out, lse)
+                                            out, lse, bool(prefix_ready))
     return (out, lse) if return_lse else out
 
 
@@ -160,10 +169,10 @@ torch.library.register_kernel("kdtree::mla_tree_attention_out", "cpu", mla_tree_
 
 
 @torch.library.register_fake("kdtree::mla_tree_attention")
-def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, prefix_ready=False):
     return q.new_empty((*q.shape[:3], V_DIM))
 
 
 @torch.library.register_fake("kdtree::mla_tree_attention_out")
-def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse):
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse, prefix_ready=False):
     return None
