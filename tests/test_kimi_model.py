@@ -829,12 +829,19 @@ def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeyp
     want = block(x)  # module calls (no CUDA here)
     calls = []
     real = moe.moe_gemv
-    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append(len(a)) or real(*a))
+    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append((len(a), a[9] is not None)) or real(*a))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
     got = call_maybe_compiled(block, compiled, x)
-    assert calls == [9]  # x, three expert stacks, ids, weights and the three shared weights
+    # x, three expert stacks, ids, weights, the three shared weights and no residual
+    assert calls == [(10, False)]
     assert rel_err(got.float(), want.float()) <= 2e-2
+    # the decoder layer's residual add goes into the same call (the down kernel's epilogue)
+    calls.clear()
+    r = torch.randn(2, 1, 64).to(torch.bfloat16) * 3
+    got_r = call_maybe_compiled(lambda x, r: block(x, residual=r), compiled, x, r)
+    assert calls == [(10, True)]
+    assert torch.equal(got_r, r + got)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -103,6 +103,28 @@ def test_reference_in_bfloat16_rounds_where_the_oracle_does(fresh_seed):
     assert rel_err(got, want) < 8e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_residual_is_added_after_the_rounding(fresh_seed, dtype):
+    """residual + bf16(out) with one more rounding: the decoder layer's ``h + moe(x)``, from the
+    float64 oracle (float32: to fp32 accuracy; bf16: the oracle rounded the way the layer rounds)."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    gate, up, down = make_experts(gen, 8, 64, 32, dtype)
+    shared = make_shared(gen, 64, 16, dtype)
+    x = torch.randn((3, 64), generator=gen).to(dtype)
+    res = (torch.randn((3, 64), generator=gen) * 4).to(dtype)
+    ids, w = make_routing(gen, 3, 4, 8)
+    got = moe_gemv_reference(x, gate, up, down, ids, w, *shared, residual=res)
+    assert got.dtype == dtype and got.shape == (3, 64)
+    want = res.double() + oracle(x, gate, up, down, ids, w, *shared)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(got, want) < 8e-3
+        # exactly the layer's add of the rounded MoE output
+        plain = moe_gemv_reference(x, gate, up, down, ids, w, *shared)
+        assert torch.equal(got, res + plain)
+
+
 def test_reference_agrees_with_the_models_expert_formula(fresh_seed):
     """The same experts as a per-token dense MLP (F.linear), float32."""
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -171,6 +193,10 @@ def test_bad_shapes_raise(small):
                  down[:, :12].contiguous(), ids, w)
     with pytest.raises(ValueError, match="contiguous"):
         moe_gemv(x, gate, up, down, ids.t().contiguous().t(), w)
+    with pytest.raises(ValueError, match=r"residual must be \[T, H\]"):
+        moe_gemv(x, gate, up, down, ids, w, residual=x[:1].contiguous())
+    with pytest.raises(TypeError, match="residual must be torch.bfloat16"):
+        moe_gemv(x, gate, up, down, ids, w, residual=x.float())
 
 
 def test_bad_shared_expert_raises(small):
@@ -202,6 +228,7 @@ def test_opcheck_cpu(small):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small)
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default,
                           small + make_shared(torch.Generator().manual_seed(2), 32, 16))
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + (None, None, None, small[0] * 3))
 
 
 def test_compiles_with_fullgraph_on_cpu(small):
@@ -259,6 +286,20 @@ def test_cuda_kernel_with_shared_expert_matches_reference(fresh_seed, T, k, E, H
     want = moe_gemv_reference(*(a.cpu() for a in args + shared))
     assert got.shape == (T, H)
     assert rel_err(got, want) < 8e-3
+    # the residual add in the down kernel: exactly residual + the rounded output
+    res = torch.randn((T, H), device="cuda").to(torch.bfloat16) * 4
+    assert torch.equal(moe_gemv(*args, *shared, residual=res), res + got)
+    res_want = moe_gemv_reference(*(a.cpu() for a in args + shared), residual=res.cpu())
+    assert rel_err(moe_gemv(*args, *shared, residual=res), res_want) < 8e-3
+
+
+@requires_kernel
+def test_cuda_kernel_with_residual_only_matches_reference(fresh_seed):
+    args = cuda_case(fresh_seed, 3, 6, 10, 136, 24)
+    res = torch.randn((3, 136), device="cuda").to(torch.bfloat16)
+    got = moe_gemv(*args, residual=res)
+    assert torch.equal(got, res + moe_gemv(*args))
+    assert rel_err(got, moe_gemv_reference(*(a.cpu() for a in args), residual=res.cpu())) < 8e-3
 
 
 @requires_kernel
@@ -300,6 +341,8 @@ def test_opcheck_cuda(fresh_seed):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64))
     shared = make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed), 256, 64, device="cuda")
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64) + shared)
+    case = cuda_case(fresh_seed, 2, 4, 8, 256, 64)
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2,))
 
 
 @requires_kernel

@@ -336,8 +336,13 @@ class KimiK2DecoderLayer(nn.Module):
             h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
         if isinstance(self.mlp, KimiK2MLP) and self.mlp.fused_ok(h, self.post_attention_layernorm):
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
-        if isinstance(self.mlp, KimiK2MoE) and self.mlp.router_fused_ok(h, self.post_attention_layernorm):
-            x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
+        if isinstance(self.mlp, KimiK2MoE):
+            if self.mlp.router_fused_ok(h, self.post_attention_layernorm):
+                x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
+            else:
+                x, routing = self.post_attention_layernorm(h), None
+            if self.mlp.takes_residual():  # the residual add inside moe_gemv's kernel where it runs
+                return self.mlp(x, routing=routing, residual=h)
             return h + self.mlp(x, routing=routing)
         return h + self.mlp(self.post_attention_layernorm(h))
 

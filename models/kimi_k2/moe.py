@@ -350,24 +350,34 @@ class KimiK2MoE(nn.Module):
                                         float(gate.routed_scaling_factor))
         return x.view(h.shape), (ids, weights)
 
-    def forward(self, x: torch.Tensor,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
-        caller has chosen the experts (:meth:`route_fused`), else the router runs here."""
+        caller has chosen the experts (:meth:`route_fused`), else the router runs here.  With
+        ``residual`` (x's shape; callers pass it only when :meth:`takes_residual`): ``residual + MoE(x)``,
+        the add inside kdtree::moe_gemv's down kernel when that computes the block."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        res = residual.reshape(-1, shape[-1]) if residual is not None else None
         topk_ids, topk_weights = self.gate(x) if routing is None else routing
         shared = self.shared_experts
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches
             e = self.experts
             y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, shared.gate_proj.weight,
-                         shared.up_proj.weight, shared.down_proj.weight)
+                         shared.up_proj.weight, shared.down_proj.weight, res)
             return y.view(shape)
         y = self.experts(x, topk_ids, topk_weights)
         if shared is not None:
             y = y + shared(x)
+        if res is not None:
+            y = res + y
         return y.view(shape)
+
+    def takes_residual(self) -> bool:
+        """Whether the decoder layer may hand its residual to :meth:`forward`: nothing hooks this
+        module (a tensor-parallel wrapper reducing its output must see the MoE output alone)."""
+        return not (self._forward_hooks or self._forward_pre_hooks)
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
         """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16

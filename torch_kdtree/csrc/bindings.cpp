@@ -62,10 +62,11 @@ TORCH_LIBRARY(kdtree, m) {
   // ---- bf16 MoE for decode-sized batches (ops/moe_gemv.py, csrc/moe_gemv.cu) ----
   // Routed experts with bf16 weights gate/up [E, I, H], down [E, H, I]: one GEMV per
   // (token, slot), out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
-  // Optionally plus a shared expert (shared_gate / shared_up [Is, H], shared_down [H, Is], weight 1).
+  // Optionally plus a shared expert (shared_gate / shared_up [Is, H], shared_down [H, Is], weight 1),
+  // and plus a residual [T, H] after rounding (the decoder layer's residual add).
   m.def("moe_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor topk_ids,"
-        " Tensor topk_weights, Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None)"
-        " -> Tensor");
+        " Tensor topk_weights, Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None,"
+        " Tensor? residual=None) -> Tensor");
 
   // noaux_tc expert selection from router logits [T, E] (fp32): sigmoid scores, + bias to choose
   // (optionally group-limited), top_k largest first (ties: lower id), weights = scores of the chosen

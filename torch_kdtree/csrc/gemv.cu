@@ -7,10 +7,11 @@
 //   per block; output rows 0 .. N-1 run over the concatenated weights, warp w of the grid's W
 //   warps takes rows w, w + W, ... for the block's rows m of x.
 //   0. Launched with programmatic dependent launch (pdl.cuh): before waiting for the previous
-//      kernel, each warp prefetches its first weight row into L2 and loads its first item (kB
-//      16-byte chunks per lane of that row) into registers -- coherent loads, which ptxas keeps
-//      before the wait (bf16_vec.cuh's ld_stream_early); KDTREE_PREWAIT without "gemv" moves
-//      these loads after the wait, where they are issued before anything else.
+//      kernel, each warp prefetches its first weight row into L2 and loads its first two items
+//      (kB 16-byte chunks per lane each; a whole row of K <= 2048) into registers -- coherent
+//      loads, which ptxas keeps before the wait (bf16_vec.cuh's ld_stream_early); KDTREE_PREWAIT
+//      without "gemv" moves the first item's loads after the wait, where they are issued before
+//      anything else, and the second's into the main loop.
 //   1. So weight bytes are in flight during the prologue (and, with PDL, during the predecessor).
 //   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
 //      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
@@ -193,11 +194,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
 
   // Before the predecessor is done (PDL): this warp's first row into L2 and its first item into
   // registers (weights only: no kernel writes them).
-  uint4 cur[kB];
+  // the item after (rho, b): the next batch of the row, or the warp's next row
+  auto successor = [&](int r, int bb, int& r2, int& b2) {
+    r2 = r;
+    b2 = bb + 1;
+    if (b2 == nb) {
+      b2 = 0;
+      r2 += stride;
+    }
+  };
+  uint4 cur[kB], nxt[kB];
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
     l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
-    if (p.early) load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
+    if (p.early) {
+      load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
+      int rho2, b2;
+      successor(rho, 0, rho2, b2);
+      if (rho2 < p.rows_total) load_chunks<kB, true>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
+    }
   }
   pdl_wait();
   pdl_launch_dependents();
@@ -208,14 +223,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   float acc[kMaxRows];
 #pragma unroll
   for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
+  bool loaded = p.early;  // nxt already holds the first successor
   while (rho < p.rows_total) {
-    int rho2 = rho, b2 = b + 1;
-    if (b2 == nb) {
-      b2 = 0;
-      rho2 += stride;
-    }
-    uint4 nxt[kB];
-    if (rho2 < p.rows_total) load_chunks<kB>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
+    int rho2, b2;
+    successor(rho, b, rho2, b2);
+    if (rho2 < p.rows_total && !loaded) load_chunks<kB>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
+    loaded = false;
 #pragma unroll
     for (int u = 0; u < kB; ++u) {
       const int c = b * 32 * kB + lane + 32 * u;

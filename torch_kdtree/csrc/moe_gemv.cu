@@ -11,7 +11,7 @@
 //   2. down: grid (ceil(H / 8), T); warp = one output row h of one token: each lane sums
 //      w_j · (its chunks of down row h of expert e_j · act[slot j]) over the slots, four slots'
 //      rows in flight at a time (the shared expert's first chunks loaded up front), then one
-//      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32.
+//      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32 [then bf16(residual + out)].
 // Both launches use programmatic dependent launch (pdl.cuh): before its wait, gate/up prefetches the
 // shared expert's rows into L2 and down the rows its token's experts will need, and down loads its
 // first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // two blocks per SM: H / 8 bloc
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
                 const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
-                __nv_bfloat16* __restrict__ out) {
+                const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
   const int chunks = I / 8, schunks = Is / 8;
@@ -224,13 +224,18 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
     acc += sd;
   }
   acc = warp_sum(acc);
-  if (lane == 0) out[int64_t(t) * H + h] = __float2bfloat16(acc);
+  if (lane == 0) {
+    const int64_t at = int64_t(t) * H + h;
+    float y = acc;
+    if (residual != nullptr) y = round_bf16(acc) + __bfloat162float(residual[at]);
+    out[at] = __float2bfloat16(y);
+  }
 }
 
 at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
-                         const std::optional<at::Tensor>& shared_down) {
+                         const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual) {
   constexpr const char* op = "kdtree::moe_gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
@@ -276,6 +281,11 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
     }
     KD_CHECK(T * (k + 1) <= 65535, op, ": at most 65535 token-slots with the shared expert, got T = ", T);
   }
+  if (residual.has_value()) {
+    check_cuda_tensor(*residual, op, "residual", at::kBFloat16, 2);
+    KD_CHECK(residual->size(0) == T && residual->size(1) == H && residual->device() == x.device(), op,
+             ": residual must be [T, H] = [", T, ", ", H, "] on x's device, got ", residual->sizes());
+  }
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -299,7 +309,9 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   launch_kernel(moe_down_kernel, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
-                prewait_enabled("moe_gemv"), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+                prewait_enabled("moe_gemv"),
+                residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr()) : nullptr,
+                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   return out;
 }
 

@@ -5,7 +5,8 @@
 ``down_proj`` [E, H, I] (the model's dense expert storage; transformers' fused ``gate_up_proj``
 is their concatenation along dim 1).  Optionally plus a shared expert with weight 1
 (``shared_gate`` / ``shared_up`` [Is, H], ``shared_down`` [H, Is]: nn.Linear weights), computed
-in the same two launches.
+in the same two launches; optionally plus a ``residual`` [T, H] (the decoder layer's residual add,
+after the rounding: ``bf16(residual + out)``).
 
 Rounding points (the CUDA kernel and this reference agree on them; sums are fp32):
 ``g = bf16(x·gate_e)``, ``u = bf16(x·up_e)``, ``a = bf16(silu(g)·u)`` (the activations a bf16
@@ -29,7 +30,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None,
-           shared_down=None, op="moe_gemv") -> None:
+           shared_down=None, residual=None, op="moe_gemv") -> None:
     check_tensor(op, "x", x, _DTYPES, 2)
     for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         check_tensor(op, name, t, x.dtype, 3)
@@ -69,6 +70,11 @@ def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate
                              f"{tuple(shared_down.shape)}")
         if T * (k + 1) > 65535:
             raise ValueError(f"{op}: at most 65535 token-slots with the shared expert, got T = {T}")
+    if residual is not None:
+        check_tensor(op, "residual", residual, x.dtype, 2)
+        check_same_device(op, x=x, residual=residual)
+        if tuple(residual.shape) != (T, H):
+            raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
 
 
 def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -81,12 +87,12 @@ def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.
 
 def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
-                       shared_up: torch.Tensor | None = None,
-                       shared_down: torch.Tensor | None = None) -> torch.Tensor:
+                       shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::moe_gemv``: per used expert, fp32
     matmuls with the rounding points of the module docstring; the top-k terms summed in order,
-    then the shared expert's."""
-    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
+    then the shared expert's; the residual added to the rounded sum."""
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
     T, H = x.shape
     E, k = gate_proj.shape[0], topk_ids.shape[1]
     dt = x.dtype
@@ -102,12 +108,15 @@ def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.
         out += w[:, j, None] * ys[:, j]
     if shared_gate is not None:
         out += _activation(x, shared_gate, shared_up) @ shared_down.float().T
+    if residual is not None:
+        return (residual.float() + out.to(dt).float()).to(dt)
     return out.to(dt)
 
 
 def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
              topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
-             shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+             shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert MLP with dense (bf16 on CUDA) weights, one GEMV per (token, slot).
 
     Args:
@@ -117,18 +126,20 @@ def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, do
         topk_weights: float32 [T, k] router weights (already normalised and scaled).
         shared_gate, shared_up: [Is, H], shared_down: [H, Is] (all three or none): a shared expert
             added with weight 1. Is a multiple of 8.
+        residual: [T, H] in x's dtype: returns ``residual + out`` (one rounding after each).
     No host synchronisation on CUDA (CUDA-graph safe); deterministic.
     """
-    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
+    _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
     return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up,
-                                     shared_down)
+                                     shared_down, residual)
 
 
 torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
 
 
 @torch.library.register_fake("kdtree::moe_gemv")
-def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
+def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None,
+      residual=None):
     return x.new_empty(x.shape)
 
 
