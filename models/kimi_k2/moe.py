@@ -263,9 +263,12 @@ class KimiK2Experts(FixedDtype):
     def _use_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
         """bf16 weights on CUDA, decode-sized (<= _MOE_GEMV_SLOTS token-slots), plain tensors
         (not DTensor shards), and the kernel built: the fused GEMV op, eager or compiled."""
+        return topk_ids.dtype == torch.int32 and self._moe_gemv_fits(x, topk_ids.numel())
+
+    def _moe_gemv_fits(self, x: torch.Tensor, slots: int) -> bool:
+        """:meth:`_use_moe_gemv` for ``slots`` int32 token-slots."""
         return (gemv._on_gpu(x) and x.dtype == torch.bfloat16 and self.gate_proj.dtype == torch.bfloat16
-                and topk_ids.numel() <= _MOE_GEMV_SLOTS and topk_ids.dtype == torch.int32
-                and not hasattr(self.gate_proj, "placements") and _HAS_MOE_GEMV_CUDA)
+                and slots <= _MOE_GEMV_SLOTS and not hasattr(self.gate_proj, "placements") and _HAS_MOE_GEMV_CUDA)
 
     def _grouped(self, x, topk_ids, topk_weights):
         """Rows sorted by expert, one ``grouped_mm`` per projection (fixed shapes, no host sync)."""
@@ -374,16 +377,25 @@ class KimiK2MoE(nn.Module):
             y = res + y
         return y.view(shape)
 
-    def takes_residual(self) -> bool:
-        """Whether the decoder layer may hand its residual to :meth:`forward`: nothing hooks this
-        module (a tensor-parallel wrapper reducing its output must see the MoE output alone)."""
-        return not (self._forward_hooks or self._forward_pre_hooks)
+    def fuses_residual(self, x: torch.Tensor) -> bool:
+        """Whether the decoder layer should hand its residual to :meth:`forward` for ``x`` (the
+        normalised input): the block runs as one kdtree::moe_gemv call with the shared expert, which
+        then also adds the residual, and nothing hooks this module (a tensor-parallel wrapper
+        reducing its output must see the MoE output alone).  Elsewhere the layer adds it itself."""
+        if self._forward_hooks or self._forward_pre_hooks or self.shared_experts is None or self.experts.is_int4:
+            return False
+        slots = x.numel() // x.shape[-1] * self.gate.top_k  # the router's int32 ids
+        return self._shared_fits(self.experts._moe_gemv_fits(x, slots))
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
         """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16
         (intermediate size a multiple of 8): the op computes both."""
+        return not self.experts.is_int4 and self._shared_fits(self.experts._use_moe_gemv(x, topk_ids))
+
+    def _shared_fits(self, routed_in_moe_gemv: bool) -> bool:
+        """The shared expert can join the routed experts' moe_gemv launches (non-INT4 experts)."""
         shared = self.shared_experts
-        return (_SHARED_IN_MOE_GEMV and not self.experts.is_int4 and self.experts._use_moe_gemv(x, topk_ids)
+        return (_SHARED_IN_MOE_GEMV and routed_in_moe_gemv
                 and shared.gate_proj.weight.shape[0] % 8 == 0
                 and not (shared._forward_hooks or shared._forward_pre_hooks)
                 and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))

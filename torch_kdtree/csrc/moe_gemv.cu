@@ -60,8 +60,9 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
   for (int s = 0; s < NB; ++s) xv[s] = __ldg(xr + c + 32 * s);
   // A memory barrier for the warp's loads: ptxas cannot sink a load below it, so all 3·NB loads
   // are in flight together (without it, it interleaved them with the FMAs of earlier chunks,
-  // about two weight loads in flight per lane).
-  if (kSync) __syncwarp();
+  // about two weight loads in flight per lane).  The lanes of a short last batch diverge (the
+  // loops' bounds depend on the lane), hence the active mask.
+  if (kSync) __syncwarp(__activemask());
 #pragma unroll
   for (int s = 0; s < NB; ++s) {
     g = dot8(gv[s], xv[s], g);

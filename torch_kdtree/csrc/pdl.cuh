@@ -13,12 +13,17 @@
 //     or more kernels back being complete;
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale), loads
-//     of model weights into registers (never written by any kernel of the step; mla_absorb.cu's
-//     kernels, with ld_stream_early's coherent ld.global: ptxas moves a read-only ld.global.nc
-//     whose result is first used after griddepcontrol.wait to after it) and, in a successor of one
-//     of our kernels, loads of data two kernels back through L2 (ldcg).
+//     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
+//     down and mla_absorb.cu's kernels, with ld_stream_early's coherent ld.global: ptxas moves a
+//     read-only ld.global.nc whose result is first used after griddepcontrol.wait to after it) and
+//     loads through L2 (ldcg, cp.async.cg) of data written two or more kernels back: the routing
+//     in a successor of one of our kernels (which trigger only after their wait), and
+//     mla_tree_attention's committed cache rows, lengths and block table when its caller passes
+//     prefix_ready (the predecessor, ours or a plain launch that started only after everything
+//     before it had completed, does not write them).
 // Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
-// KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs).
+// KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs); likewise
+// KDTREE_PREWAIT for the pre-wait loads into registers and shared memory (gemv, moe_gemv, mla).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
