@@ -66,7 +66,7 @@ struct Params {
   const __nv_bfloat16* residual;  // [M, seg[0].n] or nullptr
   float eps;
   int M, K, rows_per_block, prologue, nseg, rows_total;
-  bool early;                     // the first item's loads before pdl_wait
+  int early;                      // items (0, 1 or 2) whose loads are issued before pdl_wait
   Segment seg[kMaxWeights];
 };
 
@@ -207,8 +207,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
     l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
-    if (p.early) {
-      load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
+    if (p.early >= 1) load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
+    if (p.early >= 2) {
       int rho2, b2;
       successor(rho, 0, rho2, b2);
       if (rho2 < p.rows_total) load_chunks<kB, true>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
@@ -217,13 +217,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   pdl_wait();
   pdl_launch_dependents();
 
-  if (rho < p.rows_total && !p.early) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
+  if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
 #pragma unroll
   for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
-  bool loaded = p.early;  // nxt already holds the first successor
+  bool loaded = p.early >= 2;  // nxt already holds the first successor
   while (rho < p.rows_total) {
     int rho2, b2;
     successor(rho, b, rho2, b2);
@@ -357,7 +357,9 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   p.rows_per_block = int(rows_per_block);
   p.nseg = int(nw);
   p.rows_total = int(rows_total);
-  p.early = prewait_enabled("gemv");
+  // KDTREE_GEMV_EARLY_ITEMS=1: only the first item before the wait (A/B runs; default 2)
+  const char* items_env = std::getenv("KDTREE_GEMV_EARLY_ITEMS");
+  p.early = !prewait_enabled("gemv") ? 0 : (items_env != nullptr && std::strcmp(items_env, "1") == 0) ? 1 : 2;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
   const Tuning tune = tuning();
