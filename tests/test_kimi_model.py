@@ -844,6 +844,29 @@ def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeyp
     assert torch.equal(got_r, r + got)
 
 
+def test_moe_block_takes_the_residual_only_where_moe_gemv_fuses_it(monkeypatch):
+    """KimiK2MoE.fuses_residual: true for a bf16 block with a shared expert on the (forced) CUDA
+    moe_gemv path; false with a hook on the block (a tensor-parallel wrapper reducing its output),
+    without a shared expert, past moe_gemv's token-slots, or on CPU."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+                                                num_experts_per_tok=4))
+    block = moe.KimiK2MoE(cfg).to(torch.bfloat16)
+    x = torch.randn(2, 1, 64).to(torch.bfloat16)
+    assert not block.fuses_residual(x)  # CPU: no moe_gemv kernel
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    assert block.fuses_residual(x)
+    assert not block.fuses_residual(torch.randn(moe._MOE_GEMV_SLOTS, 64).to(torch.bfloat16))
+    handle = block.register_forward_hook(lambda m, a, out: None)
+    assert not block.fuses_residual(x)
+    handle.remove()
+    assert block.fuses_residual(x)
+    block.shared_experts = None
+    assert not block.fuses_residual(x)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
     """On CUDA (forced here; the op's CPU kernel runs) the router's choice is one kdtree::moe_route
