@@ -17,11 +17,12 @@ def rel(a, b):
     return float((a.float().cpu() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def both(fn, *args):
+def both(fn):
+    """fn() with KDTREE_PREWAIT off, then on (read per call)."""
     outs = []
     for v in ("0", "1"):
         os.environ["KDTREE_PREWAIT"] = v
-        outs.append(fn(*args))
+        outs.append(fn())
     return outs
 
 

@@ -357,7 +357,7 @@ class KimiK2MoE(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
         caller has chosen the experts (:meth:`route_fused`), else the router runs here.  With
-        ``residual`` (x's shape; callers pass it only when :meth:`takes_residual`): ``residual + MoE(x)``,
+        ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`): ``residual + MoE(x)``,
         the add inside kdtree::moe_gemv's down kernel when that computes the block."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])

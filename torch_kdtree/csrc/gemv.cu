@@ -192,9 +192,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   const int stride = int(gridDim.x) * kWarps;
   int rho = int(blockIdx.x) * kWarps + warp, b = 0;
 
-  // Before the predecessor is done (PDL): this warp's first row into L2 and its first item into
-  // registers (weights only: no kernel writes them).
-  // the item after (rho, b): the next batch of the row, or the warp's next row
+  // the item after (r, bb): the next batch of the row, or the warp's next row
   auto successor = [&](int r, int bb, int& r2, int& b2) {
     r2 = r;
     b2 = bb + 1;
@@ -203,6 +201,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
       r2 += stride;
     }
   };
+  // Before the predecessor is done (PDL): this warp's first row into L2 and its first p.early
+  // items into registers (weights only: no kernel writes them).
   uint4 cur[kB], nxt[kB];
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
