@@ -169,6 +169,28 @@ def test_cuda_kernel_matches_reference(fresh_seed, T, E, k, n_group, topk_group,
 
 
 @requires_kernel
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(384, 8, 1, 1), (64, 8, 1, 1), (256, 8, 8, 4), (1024, 32, 1, 1),
+                                                    (96, 4, 1, 1)])
+def test_cuda_kernel_with_ties_and_clustered_winners(fresh_seed, E, k, n_group, topk_group):
+    """The kernel ranks only the experts at or above the k-th largest of its warps' maxima: integer
+    logits (many exact ties, broken by expert id), winners packed into one warp's experts (a loose
+    bound: many candidates), winners spread one per warp, and rows where every logit is equal."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    T = 8
+    logits = torch.randint(-2, 3, (T, E), generator=gen, device="cuda").float()
+    start = 32 if E >= 64 + k else 0
+    logits[:3, start:start + k + 3] = 5.0 + torch.randint(0, 2, (3, k + 3), generator=gen, device="cuda").float()
+    logits[3, ::32] = 6.0
+    logits[4] = 1.0
+    bias = torch.zeros(E, device="cuda")
+    ids, w = moe_route(logits, bias, k, n_group, topk_group)
+    want_ids, want_w = moe_route_reference(logits.cpu(), bias.cpu(), k, n_group, topk_group)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=2e-6, atol=1e-7)
+    assert ids[4].tolist() == list(range(k))  # all equal: the lowest ids
+
+
+@requires_kernel
 def test_cuda_ties_and_nan():
     logits = torch.tensor([[0.0, 1.0, 0.0, 1.0, float("nan"), 0.0, 1.0, -3.0]], device="cuda")
     ids, _ = moe_route(logits, torch.zeros(8, device="cuda"), 8)
