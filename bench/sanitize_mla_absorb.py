@@ -1,11 +1,13 @@
 """Representative mla_prepare and mla_output calls for compute-sanitizer memcheck / racecheck:
 mla_prepare with one token and a chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE
 layouts, a slot past the cache and a negative one (skipped by the kernel); mla_output with dv not a
-multiple of the block's 32 rows and dc 1024; each result against the CPU reference."""
+multiple of the block's 32 rows and dc 1024; mla_tree_attention_output with several splits (some
+empty), one split, and dv 40; each result against the CPU reference."""
 import torch
 
 import torch_kdtree  # noqa: F401
-from torch_kdtree.ops import mla_output, mla_output_reference, mla_prepare, mla_prepare_reference, value_checks
+from torch_kdtree.ops import (mla_output, mla_output_reference, mla_prepare, mla_prepare_reference,
+                              mla_tree_attention_output, mla_tree_attention_output_reference, value_checks)
 
 g = torch.Generator().manual_seed(0)
 
@@ -51,3 +53,33 @@ def output(M, heads, dn, dv, dc):
 
 print(output(1, 8, 128, 128, 512))
 print(output(5, 4, 64, 40, 1024))
+
+
+def attention_output(R, N, H, lens, page_size, dn, dv):
+    """mla_tree_attention_output (attention + the merge-output kernel) against the two ops'
+    references: several splits with empty ones, and one split (the attention writes the row)."""
+    D = 576
+    need = [(L + N + page_size - 1) // page_size for L in lens]
+    pages = sum(need) + 1
+    kv = torch.randn(pages, page_size, D, generator=g).bfloat16()
+    bt = torch.zeros(R, max(need) + 1, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = torch.arange(at, at + n, dtype=torch.int32)
+        at += n
+    cl = torch.tensor(lens, dtype=torch.int32)
+    vis = torch.ones(N, N, dtype=torch.bool).tril().expand(R, N, N).contiguous()
+    q = torch.randn(R, N, H, D, generator=g).bfloat16()
+    w = (torch.randn(H * (dn + dv), 512, generator=g) / 512 ** 0.5).bfloat16()
+    args = (q, kv, bt, cl, vis, 0.1, w, dn)
+    got = mla_tree_attention_output(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args],
+                                    prefix_ready=True).cpu()
+    want = mla_tree_attention_output_reference(*args)
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    return "OK" if err < 2e-2 else f"MISMATCH {err}"
+
+
+print(attention_output(1, 1, 16, [767], 16, 128, 128))
+print(attention_output(2, 1, 16, [1000, 5], 64, 128, 128))
+print(attention_output(1, 1, 8, [40], 16, 128, 128))
+print(attention_output(2, 3, 4, [17, 300], 32, 64, 40))

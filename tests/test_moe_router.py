@@ -1,4 +1,4 @@
-"""kdtree::moe_router (RMSNorm + fp32 router GEMV + noaux_tc choice in one op): the CPU reference
+"""kdtree::moe_router (RMSNorm + router GEMV (fp32 or bf16 weights) + noaux_tc choice in one op): the CPU reference
 against a float64 oracle and against the model's own modules, bad inputs, opcheck and
 torch.compile; on CUDA the kernel against the reference on fresh random inputs every run (several
 chunks of tokens, group-limited routing, K2's sizes), determinism and a CUDA graph replayed with
@@ -22,10 +22,10 @@ CASES = [  # T, H, E, top_k, n_group, topk_group, renormalize, scaling
 ]
 
 
-def make_inputs(gen, T, H, E, device="cpu"):
+def make_inputs(gen, T, H, E, device="cpu", w_dtype=torch.float32):
     x = (torch.randn((T, H), generator=gen, device=device) * 3).to(torch.bfloat16)
     norm = (torch.rand((H,), generator=gen, device=device) + 0.5).to(torch.bfloat16)
-    w = torch.randn((E, H), generator=gen, device=device) / math.sqrt(H)
+    w = (torch.randn((E, H), generator=gen, device=device) / math.sqrt(H)).to(w_dtype)
     bias = torch.randn((E,), generator=gen, device=device) * 0.1
     return x, norm, w, bias
 
@@ -37,10 +37,11 @@ def norm_oracle(x, norm, eps):
     return (norm.double() * (xd * r).to(torch.bfloat16).double()).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32_router", "bf16_router"])
 @pytest.mark.parametrize("T,H,E,k,n_group,topk_group,renorm,scaling", CASES)
-def test_reference_matches_float64_oracle(fresh_seed, T, H, E, k, n_group, topk_group, renorm, scaling):
+def test_reference_matches_float64_oracle(fresh_seed, T, H, E, k, n_group, topk_group, renorm, scaling, w_dtype):
     gen = torch.Generator().manual_seed(fresh_seed)
-    x, norm, w, bias = make_inputs(gen, T, H, E)
+    x, norm, w, bias = make_inputs(gen, T, H, E, w_dtype=w_dtype)
     x_norm, logits, ids, weights = moe_router_reference(x, norm, 1e-6, w, bias, k, n_group, topk_group, renorm,
                                                         scaling)
     want_norm = norm_oracle(x, norm, 1e-6)
@@ -81,14 +82,14 @@ def test_bad_inputs_raise():
     x, norm, w, bias = make_inputs(torch.Generator().manual_seed(0), 2, 64, 16)
     with pytest.raises(TypeError, match="x must be torch.bfloat16"):
         moe_router(x.float(), norm, 1e-6, w, bias, 4)
-    with pytest.raises(TypeError, match="router_weight must be torch.float32"):
-        moe_router(x, norm, 1e-6, w.bfloat16(), bias, 4)
+    with pytest.raises(TypeError, match="router_weight must be"):
+        moe_router(x, norm, 1e-6, w.half(), bias, 4)
     with pytest.raises(ValueError, match=r"norm_weight must be \[H = 64\]"):
         moe_router(x, norm[:32], 1e-6, w, bias, 4)
     with pytest.raises(ValueError, match=r"norm_weight must be \[H = 64\] and router_weight \[E, H\]"):
         moe_router(x, norm, 1e-6, w[:, :32].contiguous(), bias, 4)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        moe_router(x[:, :62].contiguous(), norm[:62], 1e-6, w[:, :62].contiguous(), bias, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        moe_router(x[:, :60].contiguous(), norm[:60], 1e-6, w[:, :60].contiguous(), bias, 4)
     with pytest.raises(ValueError, match=r"bias must be \[E = 16\]"):
         moe_router(x, norm, 1e-6, w, bias[:8], 4)
     with pytest.raises(ValueError, match="top_k must be in"):
@@ -126,7 +127,7 @@ def check_cuda(x, norm, w, bias, k, n_group=1, topk_group=1, renorm=True, scalin
                                                         scaling)
     # rsqrtf and the fp32 sum-of-squares order may move a value by one bf16 ulp
     assert ((got[0].float() - x_norm.float()).abs() <= x_norm.float().abs() * 2 ** -7 + 1e-30).all()
-    torch.testing.assert_close(got[1], got[0].float() @ w.T, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got[1], got[0].float() @ w.float().T, rtol=2e-5, atol=2e-5)
     # the choice itself is exact given the kernel's logits
     want_ids, want_w = moe_route_reference(got[1], bias, k, n_group, topk_group, renorm, scaling)
     assert torch.equal(got[2], want_ids)
@@ -135,14 +136,15 @@ def check_cuda(x, norm, w, bias, k, n_group=1, topk_group=1, renorm=True, scalin
 
 
 @requires_kernel
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32_router", "bf16_router"])
 @pytest.mark.parametrize("T,H,E,k,n_group,topk_group,renorm,scaling",
                          CASES + [(1, 7168, 384, 8, 1, 1, True, 2.827),   # Kimi K2
                                   (4, 2048, 64, 8, 1, 1, True, 2.827),    # the 2p2b test model
                                   (9, 7168, 256, 8, 8, 4, True, 2.5),     # DeepSeek-V3, three chunks
                                   (2, 4096, 1024, 32, 64, 8, True, 1.0)])
-def test_cuda_kernel_matches_reference(fresh_seed, T, H, E, k, n_group, topk_group, renorm, scaling):
+def test_cuda_kernel_matches_reference(fresh_seed, T, H, E, k, n_group, topk_group, renorm, scaling, w_dtype):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    x, norm, w, bias = make_inputs(gen, T, H, E, "cuda")
+    x, norm, w, bias = make_inputs(gen, T, H, E, "cuda", w_dtype)
     check_cuda(x, norm, w, bias, k, n_group, topk_group, renorm, scaling)
 
 
@@ -207,9 +209,10 @@ def test_models_fused_routing_equals_its_router_on_the_norm(fresh_seed):
         moe.gate.e_score_correction_bias.normal_(0, 0.1)
         norm.weight.uniform_(0.5, 1.5)
     moe, norm = moe.to(torch.bfloat16), norm.to(torch.bfloat16)
-    moe.gate.weight.data = moe.gate.weight.data.float()  # moe_router reads an fp32 router weight
     h = torch.randn(2, 1, 64).to(torch.bfloat16)
-    with torch.no_grad():
-        x, routing = moe.route_fused(h, norm)
-        assert torch.equal(x, norm(h))
-        torch.testing.assert_close(moe(x, routing=routing), moe(norm(h)), rtol=0, atol=0)
+    for router_dtype in (torch.bfloat16, torch.float32):  # the model's bf16 router, and one kept in fp32
+        moe.gate.weight.data = moe.gate.weight.data.to(router_dtype)
+        with torch.no_grad():
+            x, routing = moe.route_fused(h, norm)
+            assert torch.equal(x, norm(h))
+            torch.testing.assert_close(moe(x, routing=routing), moe(norm(h)), rtol=0, atol=0)

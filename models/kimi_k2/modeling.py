@@ -30,7 +30,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from torch_kdtree.ops import mla_output, mla_prepare, mla_tree_attention
+from torch_kdtree.ops import mla_prepare, mla_tree_attention, mla_tree_attention_output
 
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
@@ -44,7 +44,8 @@ from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
 LATENT_NORM_EPS = 1e-6
 
-# kdtree::mla_prepare / mla_output in tree passes (KimiK2Attention.prepare_op_ok / output_op_ok):
+# kdtree::mla_prepare / mla_tree_attention_output in tree passes (KimiK2Attention.prepare_op_ok /
+# output_op_ok):
 # "auto" (default: CUDA, bf16, at most PREPARE_ROWS / OUTPUT_ROWS tokens), "0" (never: the torch
 # ops) or "always" (also on CPU and for any pass size, where the ops run their references; tests).
 # Read at import, a constant for torch.compile.
@@ -55,8 +56,10 @@ _HAS_MLA_PREPARE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::
 # Tokens per tree pass (R * N) up to which the ops replace the torch forms: the sizes measured
 # faster on the H200 (RESULTS.md, runs 49-50).  mla_prepare at 1 and 4 tokens (3.3-3.7 us against
 # inductor's 6.2-8.8); mla_output at 1 token (1.7 us against 1.9-2.1), but at 4 tokens it was slower
-# on the K2 rank (3.3 against 2.7 us: it walks the tokens one after another).  Larger passes (tree
-# verify) keep the torch forms until measured.
+# on the K2 rank (3.3 against 2.7 us: it walks the tokens one after another).  Single-token passes
+# now take mla_tree_attention_output, whose merge kernel does mla_output's product with the same
+# bits and saves the combine launch (run 58: 2p2b 0.6321, k2_slice 0.4038 ms per step, against
+# 0.6464 and 0.4108 in run 57).  Larger passes (tree verify) keep the torch forms until measured.
 PREPARE_ROWS = 4
 OUTPUT_ROWS = 1
 
@@ -269,7 +272,8 @@ class KimiK2Attention(nn.Module):
                 and self.qk_rope_head_dim <= 256)
 
     def output_op_ok(self, rows: int, prepared: bool) -> bool:
-        """Whether the heads' values come from one ``kdtree::mla_output`` launch (W_UV): a pass that
+        """Whether the attention and the heads' values (W_UV) come from one
+        ``kdtree::mla_tree_attention_output`` call (its merge kernel does mla_output's product): a pass that
         :meth:`prepare_op_ok` accepted (the same weights, dtypes and devices) with at most
         OUTPUT_ROWS tokens, or ``KDTREE_MLA_PREPARE=always``."""
         return _MLA_PREPARE == "always" or (prepared and rows <= OUTPUT_ROWS)
@@ -299,18 +303,24 @@ class KimiK2Attention(nn.Module):
             q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
         # prefix_ready: the kernels just before this one write only q and the new tokens' rows; the
         # lengths, block table and committed rows date from earlier steps.
+        if self.output_op_ok(R * N, prepared):  # the attention and W_UV in one op (one merge-output kernel)
+            out = mla_tree_attention_output(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
+                                            self.softmax_scale, self.kv_b_proj.weight, self.qk_nope_head_dim,
+                                            prefix_ready=True).to(x.dtype)
+            return self._o_proj(out.reshape(R, N, -1), residual)
         o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
                                    self.softmax_scale, prefix_ready=True)
-        if self.output_op_ok(R * N, prepared):
-            heads = o_lat.shape[2]
-            out = mla_output(o_lat.reshape(R * N, heads, -1), self.kv_b_proj.weight, self.qk_nope_head_dim).to(x.dtype)
-        elif use_gemv_rows(R * N, x, w_uv):
+        if use_gemv_rows(R * N, x, w_uv):
             out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
         else:
             out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
+        return self._o_proj(out.reshape(R, N, -1), residual)
+
+    def _o_proj(self, out: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """o_proj of the heads' values [R, N, h * dv] (plus ``residual`` inside kdtree::gemv's kernel)."""
         if residual is not None:
-            return fused_gemv(out.reshape(R, N, -1), [self.o_proj.weight], residual=residual)[0]
-        return linear(self.o_proj, out.reshape(R, N, -1))
+            return fused_gemv(out, [self.o_proj.weight], residual=residual)[0]
+        return linear(self.o_proj, out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,9 +42,9 @@ _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::m
 _SHARED_IN_MOE_GEMV = True
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
 # in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
-# with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42: 2p2b 0.7374 vs
-# 0.7273 ms, k2_slice 0.5126 vs 0.4767 ms per step).  KDTREE_ROUTER_FUSED=1 turns it on (read at
-# import).
+# with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42, fp32 routers: 2p2b
+# 0.7374 vs 0.7273 ms, k2_slice 0.5126 vs 0.4767 ms per step; run 58, bf16 routers: 0.6513 vs
+# 0.6321 and 0.4539 vs 0.4038).  KDTREE_ROUTER_FUSED=1 turns it on (read at import).
 _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 
 
@@ -333,15 +333,14 @@ class KimiK2MoE(nn.Module):
         """Whether :meth:`route_fused` takes one ``kdtree::moe_router`` launch for ``norm(h)`` and the
         router: the CUDA kernel built, h bf16 on CUDA with at most gemv.FUSED_ROWS rows (the same
         rows as the fused projections, so a token's logits never depend on the batch), a plain bf16
-        norm, a plain fp32 router (a model whose router weight was kept in fp32: moe_router reads fp32),
-        nothing hooked."""
+        norm, a plain fp32 or bf16 router weight, nothing hooked."""
         gate = self.gate
         w = gate.weight
         hooked = self._forward_hooks or self._forward_pre_hooks or gate._forward_hooks or gate._forward_pre_hooks
         return (_ROUTER_FUSED and _HAS_MOE_ROUTER_CUDA and not hooked and gemv._on_gpu(h)
                 and h.dtype == torch.bfloat16 and h.numel() <= gemv.FUSED_ROWS * h.shape[-1]
-                and h.shape[-1] % 4 == 0 and h.shape[-1] <= _ROUTER_MAX_H and plain_bf16(norm)
-                and w.dtype == torch.float32 and w.is_contiguous() and not hasattr(w, "placements")
+                and h.shape[-1] % 8 == 0 and h.shape[-1] <= _ROUTER_MAX_H and plain_bf16(norm)
+                and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and not hasattr(w, "placements")
                 and w.shape[0] <= _ROUTE_MAX_E and gate.top_k <= _ROUTE_MAX_K and gate.n_group <= _ROUTE_MAX_G)
 
     def route_fused(self, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -44,6 +44,11 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor w_kv_b, Tensor(a!) kv_cache, int layer, Tensor slots, bool interleave) -> Tensor");
   // The heads' values from the attention's latent output: o_lat [M, h, dc] @ W_UV[h]^T -> [M, h, dv].
   m.def("mla_output(Tensor o_lat, Tensor w_kv_b, int qk_nope_head_dim) -> Tensor");
+  // mla_output(mla_tree_attention(...)) as one op -> [R, N, H, dv]: on CUDA the attention's split
+  // merge and the W_UV product share a kernel (the latent rows are never written).
+  m.def("mla_tree_attention_output(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
+        " Tensor visible, float softmax_scale, Tensor w_kv_b, int qk_nope_head_dim, bool prefix_ready=False)"
+        " -> Tensor");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
   // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the

@@ -36,6 +36,7 @@
 // combine kernel (4 blocks per row, 128 dims each; 8 warps each summing every 8th split, then
 // added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
+#include "bf16_vec.cuh"
 #include "check.h"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
@@ -47,6 +48,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 
 namespace kdtree {
@@ -547,6 +549,129 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
   if (lse != nullptr && blockIdx.y == 0 && lane == 0) lse[rr] = wsum > 0.f ? (m + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
+// mla_tree_attention_output's second kernel: the split merge of one (request, node, head) row
+// exactly as mla_combine_kernel computes it (the same weights, fp32 operations in the same order,
+// the same bf16 rounding), kept in shared memory instead of written out, then W_UV's rows times
+// it exactly as mla_output's kernel (mla_absorb.cu) computes them: the same bits as the combine
+// and mla_output launches, in one launch.  Grid (H · ceil(dv / 32), R · N tokens), 8 warps; warp w
+// of block (h, b) owns W_UV rows 32 b + 4 w .. + 3 of head h, loaded into registers before the
+// wait (lane l: columns 8 l + 256 j).  The merge: warp w sums the splits s ≡ w (mod 8) in
+// increasing s for all 512 dims (four float4 per lane), warps 1-7 hand their sums to warp 0
+// through shared memory, which adds them in warp order.  With one split the attention wrote the
+// row (bf16) itself: o_lat, read as is.
+constexpr int kOutWarps = 8;
+constexpr int kOutRowsPerWarp = 4;
+constexpr int kOutRows = kOutWarps * kOutRowsPerWarp;  // W_UV rows per block
+constexpr int kOutGroups = kDV / 256;                  // 16-byte pieces per lane of a W_UV row
+
+__global__ void __launch_bounds__(kOutWarps * 32)
+mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                        const __nv_bfloat16* __restrict__ o_lat, const __nv_bfloat16* __restrict__ w_kv_b, int N,
+                        int H, int splits, int dn, int dv, __nv_bfloat16* __restrict__ out) {
+  __shared__ float wts[kMaxSplits];
+  __shared__ float4 part[kOutWarps - 1][kDV / 4];
+  __shared__ __align__(16) __nv_bfloat16 o_s[kDV];
+  __shared__ float red[kOutWarps];
+  __shared__ float s_inv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int bph = (dv + kOutRows - 1) / kOutRows;
+  const int h = blockIdx.x / bph, d0 = (blockIdx.x % bph) * kOutRows + warp * kOutRowsPerWarp;
+  const int tok = blockIdx.y, r = tok / N, node = tok - r * N, M = N * H, row = node * H + h;
+  const __nv_bfloat16* w = w_kv_b + (int64_t(h) * (dn + dv) + dn) * kDV + 8 * lane;
+  uint4 wr[kOutRowsPerWarp][kOutGroups];
+#pragma unroll
+  for (int q = 0; q < kOutRowsPerWarp; ++q)
+#pragma unroll
+    for (int j = 0; j < kOutGroups; ++j)
+      wr[q][j] = d0 + q < dv ? ld_stream_early(reinterpret_cast<const uint4*>(w + int64_t(d0 + q) * kDV + 256 * j))
+                             : make_uint4(0, 0, 0, 0);
+  pdl_wait();  // the partials (or the row) come from the attention kernel
+  pdl_launch_dependents();
+  if (o_part == nullptr) {
+    if (threadIdx.x < kDV / 8)
+      reinterpret_cast<uint4*>(o_s)[threadIdx.x] =
+          reinterpret_cast<const uint4*>(o_lat + (int64_t(r) * M + row) * kDV)[threadIdx.x];
+  } else {
+    const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += kOutWarps * 32) {
+      const float ls = lse_part[base + int64_t(s) * M];
+      wts[s] = ls;
+      m = fmaxf(m, ls);
+    }
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int v = 1; v < kOutWarps; ++v) m = fmaxf(m, red[v]);
+    for (int s = threadIdx.x; s < splits; s += kOutWarps * 32) {
+      const float ls = wts[s];
+      wts[s] = (ls == -INFINITY || m == -INFINITY) ? 0.f : exp2f(ls - m);
+    }
+    __syncthreads();
+    float4 acc[kDV / 128];
+#pragma unroll
+    for (int c = 0; c < kDV / 128; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 2
+    for (int s = warp; s < splits; s += kOutWarps) {
+      const float ws = wts[s];
+      if (ws == 0.f) continue;  // warp-uniform
+      const float4* v = reinterpret_cast<const float4*>(o_part + (base + int64_t(s) * M) * kDV) + lane;
+      float4 x[kDV / 128];
+#pragma unroll
+      for (int c = 0; c < kDV / 128; ++c) x[c] = v[32 * c];
+#pragma unroll
+      for (int c = 0; c < kDV / 128; ++c) {
+        acc[c].x += ws * x[c].x;
+        acc[c].y += ws * x[c].y;
+        acc[c].z += ws * x[c].z;
+        acc[c].w += ws * x[c].w;
+      }
+    }
+    if (warp > 0) {
+#pragma unroll
+      for (int c = 0; c < kDV / 128; ++c) part[warp - 1][32 * c + lane] = acc[c];
+    }
+    if (warp == 0) {  // Σ_s w_s as the combine sums it: lane-strided, then the xor tree
+      float wsum = 0.f;
+      for (int s = lane; s < splits; s += 32) wsum += wts[s];
+      wsum = warp_sum(wsum);
+      if (lane == 0) s_inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const float inv = s_inv;
+#pragma unroll
+      for (int c = 0; c < kDV / 128; ++c) {
+        float4 a = acc[c];
+        for (int v = 1; v < kOutWarps; ++v) {
+          const float4 b = part[v - 1][32 * c + lane];
+          a.x += b.x;
+          a.y += b.y;
+          a.z += b.z;
+          a.w += b.w;
+        }
+        reinterpret_cast<uint2*>(o_s)[32 * c + lane] =
+            make_uint2(pack_bf16x2(a.x * inv, a.y * inv), pack_bf16x2(a.z * inv, a.w * inv));
+      }
+    }
+  }
+  __syncthreads();
+  float dot[kOutRowsPerWarp] = {};
+#pragma unroll
+  for (int j = 0; j < kOutGroups; ++j) {
+    const uint4 ov = reinterpret_cast<const uint4*>(o_s)[lane + 32 * j];
+#pragma unroll
+    for (int q = 0; q < kOutRowsPerWarp; ++q) dot[q] = dot8(ov, wr[q][j], dot[q]);
+  }
+#pragma unroll
+  for (int q = 0; q < kOutRowsPerWarp; ++q) {
+    const float v = warp_sum(dot[q]);
+    if (lane == q && d0 + q < dv) out[(int64_t(tok) * H + h) * dv + d0 + q] = __float2bfloat16(v);
+  }
+}
+
 size_t combine_smem_bytes(int splits) {
   return sizeof(float) * (size_t((splits + 3) & ~3) + size_t(kCombineWarps - 1) * kCombineDims);
 }
@@ -594,16 +719,92 @@ void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, int
   check_cuda_tensor(t, "kdtree::mla_tree_attention", name, dtype, dim);
 }
 
+// The attention launch of one call, and what its second kernel (combine or merge-output) needs.
+struct AttentionRun {
+  Params p;
+  int splits = 1;
+  at::Tensor o_part, lse_part;  // the workspace (splits > 1)
+};
+
+// Checks, the split choice and the attention launch.  `out` (the bf16 rows) is made by make_out
+// after the split choice, so a caller that needs it only for one split can skip it; the kernel
+// writes it only with one split.
+template <typename MakeOut>
+AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
+                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready);
+
 void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                  const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
                                  at::Tensor out, const std::optional<at::Tensor>& lse, bool prefix_ready) {
+  constexpr const char* op = "kdtree::mla_tree_attention";
+  check_cuda(q, "q", at::kBFloat16, 4);
+  check_cuda(out, "out", at::kBFloat16, 4);
+  KD_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.size(3) == kDV, op,
+           ": out must be [R, N, H, ", kDV, "], got ", out.sizes());
+  KD_CHECK(out.device() == q.device(), op, ": all inputs must be on one device");
+  KD_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(q.device());
+  AttentionRun run = launch_tree_attention(q, kv_cache, block_table, cache_lens, visible, softmax_scale,
+                                           [&](int) { return out; }, lse, prefix_ready);
+  if (run.splits > 1) {
+    const int64_t R = q.size(0), M = q.size(1) * q.size(2);
+    const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked)
+    launch_kernel(mla_combine_kernel, blocks, dim3(kCombineWarps * 32), size_t(combine_smem_bytes(run.splits)),
+                  at::cuda::getCurrentCUDAStream(), pdl_enabled("mla"), static_cast<const float*>(run.p.o_part),
+                  static_cast<const float*>(run.p.lse_part), int(R), int(M), run.splits, run.p.out, run.p.lse);
+  }
+}
+
+at::Tensor mla_tree_attention_output_cuda(const at::Tensor& q, const at::Tensor& kv_cache,
+                                          const at::Tensor& block_table, const at::Tensor& cache_lens,
+                                          const at::Tensor& visible, double softmax_scale, const at::Tensor& w_kv_b,
+                                          int64_t qk_nope_head_dim, bool prefix_ready) {
+  constexpr const char* op = "kdtree::mla_tree_attention_output";
+  KD_CHECK(q.dim() == 4, op, ": q must be [R, N, H, 576], got ", q.sizes());
+  check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
+  KD_CHECK(w_kv_b.device() == q.device(), op, ": q and w_kv_b must be on one device, got ", q.device(), " and ",
+           w_kv_b.device());
+  const int64_t R = q.size(0), N = q.size(1), H = q.size(2), dn = qk_nope_head_dim;
+  KD_CHECK(dn >= 0 && H >= 1 && w_kv_b.size(1) == kDV && w_kv_b.size(0) % H == 0 && w_kv_b.size(0) / H > dn, op,
+           ": w_kv_b must be [H * (dn + dv), ", kDV, "] with H = ", H, ", dn = ", dn, ", dv >= 1, got ",
+           w_kv_b.sizes());
+  KD_CHECK(reinterpret_cast<uintptr_t>(w_kv_b.data_ptr()) % 16 == 0, op, ": w_kv_b must be 16-byte aligned");
+  const int64_t dv = w_kv_b.size(0) / H - dn;
+  KD_CHECK(R * N <= 65535 && H * ((dv + kOutRows - 1) / kOutRows) <= INT32_MAX, op,
+           ": at most 65535 (request, node) tokens, got R * N = ", R * N);
+  at::Tensor out = at::empty({R, N, H, dv}, q.options());
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor o_lat;
+  AttentionRun run = launch_tree_attention(
+      q, kv_cache, block_table, cache_lens, visible, softmax_scale,
+      [&](int splits) {
+        o_lat = splits > 1 ? at::Tensor() : at::empty({R, N, H, kDV}, q.options());
+        return o_lat;
+      },
+      std::nullopt, prefix_ready);
+  if (R * N == 0) return out;
+  const int bph = int((dv + kOutRows - 1) / kOutRows);
+  launch_kernel(mla_merge_output_kernel, dim3(unsigned(H * bph), unsigned(R * N)), dim3(kOutWarps * 32), 0,
+                at::cuda::getCurrentCUDAStream(), pdl_enabled("mla"),
+                run.splits > 1 ? static_cast<const float*>(run.p.o_part) : nullptr,
+                run.splits > 1 ? static_cast<const float*>(run.p.lse_part) : nullptr,
+                run.splits > 1 ? nullptr : static_cast<const __nv_bfloat16*>(run.p.out),
+                reinterpret_cast<const __nv_bfloat16*>(w_kv_b.data_ptr()), int(N), int(H), run.splits, int(dn),
+                int(dv), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  return out;
+}
+
+template <typename MakeOut>
+AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
+                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready) {
   constexpr const char* op = "kdtree::mla_tree_attention";
   check_cuda(q, "q", at::kBFloat16, 4);
   check_cuda(kv_cache, "kv_cache", at::kBFloat16, 3);
   check_cuda(block_table, "block_table", at::kInt, 2);
   check_cuda(cache_lens, "cache_lens", at::kInt, 1);
   check_cuda(visible, "visible", at::kBool, 3);
-  check_cuda(out, "out", at::kBFloat16, 4);
   const int64_t R = q.size(0), N = q.size(1), H = q.size(2);
   KD_CHECK(q.size(3) == kD, op, ": q head dim must be ", kD, " (512 absorbed latent + 64 rope), got ", q.size(3));
   KD_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
@@ -612,14 +813,12 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
               R, " rows");
   KD_CHECK(visible.size(0) == R && visible.size(1) == N && visible.size(2) == N, op,
               ": visible must be [R, N, N], got ", visible.sizes());
-  KD_CHECK(out.size(0) == R && out.size(1) == N && out.size(2) == H && out.size(3) == kDV, op,
-              ": out must be [R, N, H, ", kDV, "], got ", out.sizes());
   if (lse.has_value()) {
     check_cuda(*lse, "lse", at::kFloat, 3);
     KD_CHECK(lse->size(0) == R && lse->size(1) == N && lse->size(2) == H, op, ": lse must be [R, N, H], got ",
                 lse->sizes());
   }
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kv_cache, &block_table, &cache_lens, &visible, &out})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&kv_cache, &block_table, &cache_lens, &visible})
     KD_CHECK(t->device() == q.device(), op, ": all inputs must be on one device");
   if (lse.has_value()) KD_CHECK(lse->device() == q.device(), op, ": all inputs must be on one device");
   const int64_t num_pages = kv_cache.size(0), page_size = kv_cache.size(1), max_pages = block_table.size(1);
@@ -631,9 +830,10 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   const int64_t M = N * H;
   KD_CHECK(M <= (int64_t(1) << 22) && R <= 65535 && R * M <= int64_t(INT32_MAX), op,
            ": N * H must be <= 2^22, R <= 65535 and R * N * H < 2^31");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kv_cache, &out})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &kv_cache})
     KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
-  if (R == 0) return;
+  AttentionRun run;
+  if (R == 0) return run;
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
@@ -645,16 +845,20 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
   const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
-  const int min_chunk = kMinChunk;
+  // KDTREE_MLA_MIN_CHUNK=n: the fewest keys per split (A/B runs; read per call; default kMinChunk)
+  int min_chunk = kMinChunk;
+  if (const char* env = std::getenv("KDTREE_MLA_MIN_CHUNK")) min_chunk = std::max(16, std::min(1 << 20, std::atoi(env)));
   const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, min_chunk);
 
-  Params p{};
+  const at::Tensor out = make_out(splits);
+  Params& p = run.p;
+  p = Params{};
   p.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
   p.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());
   p.block_table = block_table.data_ptr<int32_t>();
   p.cache_lens = cache_lens.data_ptr<int32_t>();
   p.visible = visible.data_ptr<bool>();
-  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.out = out.defined() ? reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.N = int(N);
   p.H = int(H);
@@ -667,24 +871,19 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   p.min_chunk = min_chunk;
   p.early = prefix_ready && prewait_enabled("mla");
   p.scale_log2 = float(softmax_scale * double(kLog2e));
-  at::Tensor o_part, lse_part;
+  run.splits = splits;
   if (splits > 1) {  // static size: one CUDA graph serves every length
-    o_part = at::empty({R * splits * M * kDV}, q.options().dtype(at::kFloat));
-    lse_part = at::empty({R * splits * M}, q.options().dtype(at::kFloat));
-    p.o_part = o_part.data_ptr<float>();
-    p.lse_part = lse_part.data_ptr<float>();
+    run.o_part = at::empty({R * splits * M * kDV}, q.options().dtype(at::kFloat));
+    run.lse_part = at::empty({R * splits * M}, q.options().dtype(at::kFloat));
+    p.o_part = run.o_part.data_ptr<float>();
+    p.lse_part = run.lse_part.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (large)
     launch_attention<2, 2, 64, 2>(p, int(row_blocks), int(R), stream);
   else
     launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
-  if (splits > 1) {
-    const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked above)
-    launch_kernel(mla_combine_kernel, blocks, dim3(kCombineWarps * 32), size_t(combine_smem_bytes(splits)), stream,
-                  pdl_enabled("mla"), static_cast<const float*>(p.o_part), static_cast<const float*>(p.lse_part), int(R),
-                  int(M), splits, p.out, p.lse);
-  }
+  return run;
 }
 
 at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -702,6 +901,7 @@ at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cac
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
   m.impl("mla_tree_attention", &mla_tree_attention_cuda);
   m.impl("mla_tree_attention_out", &mla_tree_attention_out_cuda);
+  m.impl("mla_tree_attention_output", &mla_tree_attention_output_cuda);
 }
 
 }  // namespace kdtree

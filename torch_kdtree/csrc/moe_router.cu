@@ -1,5 +1,6 @@
-// kdtree::moe_router: the MoE block's input RMSNorm, the fp32 router GEMV and the noaux_tc choice
-// in one launch (semantics and the reference: torch_kdtree/ops/moe_router.py).
+// kdtree::moe_router: the MoE block's input RMSNorm, the router GEMV (fp32 or bf16 weights, fp32
+// sums) and the noaux_tc choice in one launch (semantics and the reference:
+// torch_kdtree/ops/moe_router.py).
 //
 // In the decode step these were three dependent launches (the norm's variance, the router product,
 // moe_route) of a few microseconds each for ~0.5-11 MB of router weight.  Grid (blocks, chunks of
@@ -9,8 +10,9 @@
 //      rounding points, bf16(w · bf16(x · rsqrt(mean(x²) + eps))) (a fixed-order block reduction);
 //      block 0 also writes them out (x_norm, the experts' input).
 //   3. Items (expert e, segment s of RS equal segments of H) over the grid's warps: the fp32 dot
-//      of the segment of router row e with each normalised row (float4 weight loads, all in
-//      flight), a xor-shuffle sum, the partial to a workspace.
+//      of the segment of router row e with each normalised row (16-byte weight loads: 4 fp32 or
+//      8 bf16 values), a xor-shuffle sum, the partial to a workspace.  RS keeps the grid in one
+//      wave of blocks (segments()).
 //   4. The last block of the chunk to finish (a ticket per chunk in device memory, taken after a
 //      __threadfence and reset by that block) sums each logit's RS partials in order, writes the
 //      logits and runs route_select (route_select.cuh) per row.
@@ -48,7 +50,7 @@ __device__ unsigned int g_router_tickets[kMaxChunks];  // zero between launches
 struct RouterParams {
   const __nv_bfloat16* x;     // [T, H]
   const __nv_bfloat16* norm;  // [H]
-  const float* w;             // [E, H]
+  const void* w;              // [E, H], fp32 or bf16 (the kernel's WT)
   const float* bias;          // [E]
   float eps, scaling;
   int T, H, E, k, n_group, topk_group, rs, rows_per_chunk;
@@ -60,6 +62,36 @@ struct RouterParams {
   float* weights;             // [T, k]
 };
 
+// The fp32 dot of one router-row segment (WT: float or bf16) with a normalised row in shared
+// memory: 16-byte weight loads (4 fp32 or 8 bf16 values), lane-strided, then the caller's warp sum.
+template <typename WT>
+__device__ __forceinline__ void segment_dots(const WT* wr, int seg, int h0, const __nv_bfloat16* xs, int H, int rows,
+                                             int lane, float (&acc)[kRows]) {
+  constexpr int kVec = 16 / sizeof(WT);
+  for (int c = lane; c < seg / kVec; c += 32) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr) + c);
+    float wv[kVec];
+    if constexpr (kVec == 4) {
+      wv[0] = __uint_as_float(raw.x), wv[1] = __uint_as_float(raw.y);
+      wv[2] = __uint_as_float(raw.z), wv[3] = __uint_as_float(raw.w);
+    } else {
+      unpack8(raw, wv);
+    }
+    const int h = h0 + kVec * c;
+#pragma unroll
+    for (int m = 0; m < kRows; ++m)
+      if (m < rows) {
+        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(xs + m * H + h);
+#pragma unroll
+        for (int j = 0; j < kVec / 2; ++j) {
+          const float2 a = __bfloat1622float2(xp[j]);
+          acc[m] = fmaf(wv[2 * j], a.x, fmaf(wv[2 * j + 1], a.y, acc[m]));
+        }
+      }
+  }
+}
+
+template <typename WT>
 __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams p) {
   extern __shared__ __align__(16) __nv_bfloat16 xs[];  // [rows][H] normalised
   __shared__ float red[kRows][kWarps];
@@ -73,9 +105,10 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
   const int stride = int(gridDim.x) * kWarps;
   int item = int(blockIdx.x) * kWarps + warp;
 
+  const WT* w = static_cast<const WT*>(p.w);
   if (item < items) {  // static weights: safe to prefetch before the wait
     const int e = item / p.rs, s = item - e * p.rs;
-    l2_prefetch_range(p.w + int64_t(e) * p.H + int64_t(s) * seg, int64_t(seg) * 4, lane);
+    l2_prefetch_range(w + int64_t(e) * p.H + int64_t(s) * seg, int64_t(seg) * int64_t(sizeof(WT)), lane);
   }
   pdl_wait();
   pdl_launch_dependents();
@@ -109,21 +142,10 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
   // 3. partial logits: item = (expert e, segment s)
   for (; item < items; item += stride) {
     const int e = item / p.rs, s = item - e * p.rs;
-    const float4* wr = reinterpret_cast<const float4*>(p.w + int64_t(e) * p.H + int64_t(s) * seg);
     float acc[kRows];
 #pragma unroll
     for (int m = 0; m < kRows; ++m) acc[m] = 0.f;
-    for (int c = lane; c < seg / 4; c += 32) {
-      const float4 w4 = __ldg(wr + c);
-      const int h = s * seg + 4 * c;
-#pragma unroll
-      for (int m = 0; m < kRows; ++m)
-        if (m < rows) {
-          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(xs + m * p.H + h);
-          const float2 a = __bfloat1622float2(xp[0]), b = __bfloat1622float2(xp[1]);
-          acc[m] = fmaf(w4.x, a.x, fmaf(w4.y, a.y, fmaf(w4.z, b.x, fmaf(w4.w, b.y, acc[m]))));
-        }
-    }
+    segment_dots<WT>(w + int64_t(e) * p.H + int64_t(s) * seg, seg, s * seg, xs, p.H, rows, lane, acc);
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       const float t = warp_sum(acc[m]);
@@ -154,10 +176,12 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
   if (threadIdx.x == 0) g_router_tickets[chunk] = 0;
 }
 
-// Segments per router row: about 512 fp32 per warp item, a divisor of H / 4 (float4 loads).
-int segments(int64_t H) {
+// Segments per router row: about 512 values per warp item, each a whole number of 16-byte loads
+// (vec values), and few enough items that the grid's 1024-thread blocks fit on the SMs at once
+// (one wave: every block waits for the slowest before the last one picks).
+int segments(int64_t H, int64_t E, int vec, int sms) {
   int rs = int(std::clamp<int64_t>(H / 512, 1, kMaxSegments));
-  while (rs > 1 && (H % (4 * rs)) != 0) --rs;
+  while (rs > 1 && (H % (int64_t(vec) * rs) != 0 || (E * rs + kWarps - 1) / kWarps > sms)) --rs;
   return rs;
 }
 
@@ -167,13 +191,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
   constexpr const char* op = "kdtree::moe_router";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(norm_weight, op, "norm_weight", at::kBFloat16, 1);
-  check_cuda_tensor(router_weight, op, "router_weight", at::kFloat, 2);
+  KD_CHECK(router_weight.scalar_type() == at::kFloat || router_weight.scalar_type() == at::kBFloat16, op,
+           ": router_weight must be Float or BFloat16, got ", router_weight.scalar_type());
+  check_cuda_tensor(router_weight, op, "router_weight", router_weight.scalar_type(), 2);
   check_cuda_tensor(bias, op, "bias", at::kFloat, 1);
   for (const at::Tensor* t : {&norm_weight, &router_weight, &bias})
     KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
   const int64_t T = x.size(0), H = x.size(1), E = router_weight.size(0);
-  KD_CHECK(H >= 4 && H % 4 == 0 && norm_weight.size(0) == H && router_weight.size(1) == H, op,
-           ": x [T, H], norm_weight [H] and router_weight [E, H] must agree with H a positive multiple of 4, got ",
+  KD_CHECK(H >= 8 && H % 8 == 0 && norm_weight.size(0) == H && router_weight.size(1) == H, op,
+           ": x [T, H], norm_weight [H] and router_weight [E, H] must agree with H a positive multiple of 8, got ",
            x.sizes(), ", ", norm_weight.sizes(), ", ", router_weight.sizes());
   KD_CHECK(bias.size(0) == E, op, ": bias must be [E = ", E, "], got ", bias.sizes());
   check_route_args(op, E, top_k, n_group, topk_group);
@@ -191,12 +217,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
   const at::Tensor xc = x.contiguous(), nc = norm_weight.contiguous(), wc = router_weight.contiguous(),
                    bc = bias.contiguous();
   KD_CHECK(reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 == 0, op, ": router_weight must be 16-byte aligned");
-  const int rs = segments(H);
+  const bool bf16_w = router_weight.scalar_type() == at::kBFloat16;
+  const int rs = segments(H, E, bf16_w ? 8 : 4, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   at::Tensor partial = at::empty({chunks * rs * rows_per_chunk * E}, f32);
   RouterParams p{};
   p.x = reinterpret_cast<const __nv_bfloat16*>(xc.data_ptr());
   p.norm = reinterpret_cast<const __nv_bfloat16*>(nc.data_ptr());
-  p.w = wc.data_ptr<float>();
+  p.w = wc.data_ptr();
   p.bias = bc.data_ptr<float>();
   p.eps = float(eps);
   p.scaling = float(scaling);
@@ -215,10 +242,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
   p.ids = ids.data_ptr<int32_t>();
   p.weights = weights.data_ptr<float>();
   const int smem = int(rows_per_chunk * H * 2);
+  const auto kernel = bf16_w ? moe_router_kernel<__nv_bfloat16> : moe_router_kernel<float>;
   if (smem + int(sizeof(RouteSmem)) + 512 > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int blocks = int((E * rs + kWarps - 1) / kWarps);
-  launch_kernel(moe_router_kernel, dim3(unsigned(blocks), unsigned(chunks)), dim3(kThreads), size_t(smem),
+  launch_kernel(kernel, dim3(unsigned(blocks), unsigned(chunks)), dim3(kThreads), size_t(smem),
                 at::cuda::getCurrentCUDAStream(), pdl_enabled("moe_route"), p);
   return {x_norm, logits, ids, weights};
 }

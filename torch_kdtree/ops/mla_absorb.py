@@ -197,4 +197,64 @@ def _(o_lat, w_kv_b, qk_nope_head_dim):
     return o_lat.new_empty((M, heads, w_kv_b.shape[0] // heads - qk_nope_head_dim))
 
 
-__all__ = ["mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference"]
+# --------------------------------------------------------------------------------------------
+# mla_tree_attention_output: the attention and W_UV in one op
+# --------------------------------------------------------------------------------------------
+
+def _check_attention_output(q, kv_cache, block_table, cache_lens, visible, softmax_scale, w_kv_b,
+                            qk_nope_head_dim) -> None:
+    from .mla import _check as _check_attention
+
+    op = "mla_tree_attention_output"
+    _check_attention(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+    check_tensor(op, "w_kv_b", w_kv_b, _FLOAT_DTYPES, 2)
+    check_same_device(op, q=q, w_kv_b=w_kv_b)
+    H, dn = q.shape[2], qk_nope_head_dim
+    if isinstance(dn, bool) or not isinstance(dn, numbers.Integral) or dn < 0:
+        raise ValueError(f"{op}: qk_nope_head_dim must be a non-negative int, got {dn!r}")
+    rows = w_kv_b.shape[0]
+    if w_kv_b.shape[1] != 512 or rows % H or rows // H <= dn:
+        raise ValueError(f"{op}: w_kv_b must be [H * (dn + dv), 512] = [{H} * ({dn} + dv), 512] with dv >= 1, "
+                         f"got {tuple(w_kv_b.shape)}")
+
+
+def mla_tree_attention_output_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                        cache_lens: torch.Tensor, visible: torch.Tensor, softmax_scale: float,
+                                        w_kv_b: torch.Tensor, qk_nope_head_dim: int,
+                                        prefix_ready: bool = False) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention_output``: the
+    composition of the two references, ``mla_output(mla_tree_attention(...))`` (the latent output
+    rounded to q's dtype in between, as when the two ops run one after the other)."""
+    from .mla import mla_tree_attention_reference
+
+    _check_attention_output(q, kv_cache, block_table, cache_lens, visible, softmax_scale, w_kv_b, qk_nope_head_dim)
+    R, N, H, _ = q.shape
+    o_lat = mla_tree_attention_reference(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+    return mla_output_reference(o_lat.reshape(R * N, H, -1), w_kv_b, qk_nope_head_dim).view(R, N, H, -1)
+
+
+def mla_tree_attention_output(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                              cache_lens: torch.Tensor, visible: torch.Tensor, softmax_scale: float,
+                              w_kv_b: torch.Tensor, qk_nope_head_dim: int, *, prefix_ready: bool = False) -> torch.Tensor:
+    """``mla_output(mla_tree_attention(q, ...).view(R * N, H, 512), w_kv_b, qk_nope_head_dim)`` as
+    one op: the heads' values [R, N, H, dv] of the absorbed attention (arguments as in
+    :func:`~torch_kdtree.ops.mla_tree_attention` and :func:`mla_output`; w_kv_b [H * (dn + dv), 512];
+    the result in q's dtype).  On CUDA the attention's split merge and the W_UV product run in one kernel
+    (the latent rows are never written), with the same bits as the two ops one after the other."""
+    _check_attention_output(q, kv_cache, block_table, cache_lens, visible, softmax_scale, w_kv_b, qk_nope_head_dim)
+    return torch.ops.kdtree.mla_tree_attention_output(q, kv_cache, block_table, cache_lens, visible,
+                                                      float(softmax_scale), w_kv_b, int(qk_nope_head_dim),
+                                                      bool(prefix_ready))
+
+
+torch.library.register_kernel("kdtree::mla_tree_attention_output", "cpu", mla_tree_attention_output_reference)
+
+
+@torch.library.register_fake("kdtree::mla_tree_attention_output")
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, w_kv_b, qk_nope_head_dim, prefix_ready=False):
+    R, N, H, _ = q.shape
+    return q.new_empty((R, N, H, w_kv_b.shape[0] // H - qk_nope_head_dim))
+
+
+__all__ = ["mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference", "mla_tree_attention_output",
+           "mla_tree_attention_output_reference"]

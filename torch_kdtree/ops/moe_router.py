@@ -1,11 +1,12 @@
 """The MoE block's input norm, router GEMV and noaux_tc choice in one op: ``kdtree::moe_router``.
 
 From the residual stream ``x`` [T, H] (bf16), the post-attention RMSNorm's ``norm_weight`` [H]
-(bf16), the router's fp32 ``router_weight`` [E, H] and ``e_score_correction_bias`` [E]:
+(bf16), the router's ``router_weight`` [E, H] (fp32, or bf16 as K2's checkpoints ship it) and
+``e_score_correction_bias`` [E]:
 
 1. ``x_norm = bf16(norm_weight · bf16(x · rsqrt(mean(x²) + eps)))`` (the model's RMSNorm, fp32
    statistics) -- the routed and shared experts' input;
-2. ``logits = x_norm.float() @ router_weight.T`` in fp32;
+2. ``logits = x_norm.float() @ router_weight.float().T`` in fp32;
 3. ``(topk_ids, topk_weights) = moe_route(logits, bias, ...)`` (see ops/moe_route.py).
 
 Returns ``(x_norm, logits, topk_ids, topk_weights)``.  The CUDA kernel (csrc/moe_router.cu) is one
@@ -27,12 +28,12 @@ MAX_HIDDEN = 45056  # the CUDA kernel keeps at least one normalised row (bf16) i
 def _check(x, norm_weight, router_weight, bias, top_k, n_group, topk_group, op="moe_router") -> None:
     check_tensor(op, "x", x, torch.bfloat16, 2)
     check_tensor(op, "norm_weight", norm_weight, torch.bfloat16, 1)
-    check_tensor(op, "router_weight", router_weight, torch.float32, 2)
+    check_tensor(op, "router_weight", router_weight, (torch.float32, torch.bfloat16), 2)
     check_tensor(op, "bias", bias, torch.float32, 1)
     check_same_device(op, x=x, norm_weight=norm_weight, router_weight=router_weight, bias=bias)
     H = x.shape[1]
-    if H == 0 or H % 4 or H > MAX_HIDDEN:
-        raise ValueError(f"{op}: H must be a positive multiple of 4 up to {MAX_HIDDEN}, got {H}")
+    if H == 0 or H % 8 or H > MAX_HIDDEN:
+        raise ValueError(f"{op}: H must be a positive multiple of 8 up to {MAX_HIDDEN}, got {H}")
     if norm_weight.shape[0] != H or router_weight.shape[1] != H:
         raise ValueError(f"{op}: norm_weight must be [H = {H}] and router_weight [E, H], got "
                          f"{tuple(norm_weight.shape)} and {tuple(router_weight.shape)}")
@@ -53,7 +54,7 @@ def moe_router_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     """Pure-torch reference (and CPU kernel) of ``kdtree::moe_router`` (module docstring)."""
     _check(x, norm_weight, router_weight, bias, top_k, n_group, topk_group)
     x_norm = rms_norm_bf16(x, norm_weight, eps)
-    logits = x_norm.float() @ router_weight.T
+    logits = x_norm.float() @ router_weight.float().T
     ids, weights = moe_route_reference(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
     return x_norm, logits, ids, weights
 
