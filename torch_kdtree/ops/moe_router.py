@@ -65,8 +65,8 @@ def moe_router(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_we
     """RMSNorm, router logits and the noaux_tc expert choice of a MoE block.
 
     Args:
-        x: bf16 [T, H] (H a multiple of 4, at most 45056); norm_weight: bf16 [H]; eps: the norm's epsilon.
-        router_weight: float32 [E, H] (E <= 1024); bias: float32 [E] (selection only).
+        x: bf16 [T, H] (H a multiple of 8, at most 45056); norm_weight: bf16 [H]; eps: the norm's epsilon.
+        router_weight: float32 or bfloat16 [E, H] (E <= 1024); bias: float32 [E] (selection only).
         top_k (<= 32), n_group, topk_group, renormalize, scaling: as :func:`moe_route`.
     Returns (x_norm bf16 [T, H], logits float32 [T, E], topk_ids int32 [T, top_k], topk_weights
     float32 [T, top_k]).  No host synchronisation on CUDA (CUDA-graph safe); deterministic.
