@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from .conftest import poison_cuda_allocator, requires_cuda_kernel
+from .test_mla_absorb import _compiled_graph
 from .test_mla_tree_attention import SCALE, _cuda_case, make_case, oracle, rel_err
 from torch_kdtree.ops import (mla_output, mla_tree_attention, mla_tree_attention_output,
                               mla_tree_attention_output_reference)
@@ -116,17 +117,8 @@ def test_cuda_compiled_graph_replays_with_changing_lengths(fresh_seed):
     q, kv, bt, cl, vis, _ = _cuda_case(1, 1, 16, 16, [700], fresh_seed)
     w = _w(16, 128, 128, torch.Generator().manual_seed(fresh_seed), device="cuda")
     lens = cl.clone()
-    step = torch.compile(lambda: mla_tree_attention_output(q, kv, bt, lens, vis, SCALE, w, 128, prefix_ready=True),
-                         fullgraph=True)
-    step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _compiled_graph(lambda: mla_tree_attention_output(q, kv, bt, lens, vis, SCALE, w, 128,
+                                                                   prefix_ready=True))
     for L in (700, 63, 1, 0, 450):
         lens.fill_(L)
         graph.replay()
