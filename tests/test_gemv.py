@@ -240,6 +240,48 @@ def test_cuda_prewait_loads_give_the_same_bits(fresh_seed, monkeypatch, M, K, Ns
 
 
 @requires_kernel
+@pytest.mark.parametrize("M,K,Ns,prologue,residual", CUDA_CASES + [(4, 7168, (300, 5), "norm", False),
+                                                                   (1, 1024, (7168,), None, True)])
+def test_cuda_ring_and_register_kernels_give_the_same_bits(fresh_seed, monkeypatch, M, K, Ns, prologue, residual):
+    """KDTREE_GEMV_RING (read per call) picks the weight stream: bulk copies into a ring of shared-memory
+    stages (default; any stage count) or loads into registers (0).  Same items, same order, same
+    bits -- so a verify pass and a decode pass agree whichever kernel each shape gets."""
+    x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, residual)
+    runs = {}
+    for ring in ("0", "2", "3", "8", None):
+        if ring is None:
+            monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
+        else:
+            monkeypatch.setenv("KDTREE_GEMV_RING", ring)
+        for prewait in ("0", "1"):
+            monkeypatch.setenv("KDTREE_PREWAIT", prewait)
+            runs[ring, prewait] = gemv(x, weights, **kw)
+    base = runs["0", "1"]
+    for key, outs in runs.items():
+        for a, b in zip(outs, base):
+            assert torch.equal(a, b), key
+
+
+@requires_kernel
+def test_cuda_ring_switch_picks_the_kernel(fresh_seed, monkeypatch):
+    """The bit-equality test above compares two kernels only if the switch really selects them."""
+    x, weights, kw = cuda_case(fresh_seed, 1, 2048, (1536, 576), "norm", False)
+
+    def kernels():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            gemv(x, weights, **kw)
+            torch.cuda.synchronize()
+        return {e.name for e in prof.events() if "gemv" in e.name}
+
+    monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
+    ring = kernels()
+    monkeypatch.setenv("KDTREE_GEMV_RING", "0")
+    regs = kernels()
+    assert any("gemv_ring_kernel" in n for n in ring), ring
+    assert regs and not any("gemv_ring_kernel" in n for n in regs), regs
+
+
+@requires_kernel
 def test_cuda_reads_no_rows_past_its_inputs(fresh_seed):
     """x and up as the first rows of NaN-filled buffers (M = 5: one full block of rows and one
     short one): a read of a row past M would turn outputs into NaN."""

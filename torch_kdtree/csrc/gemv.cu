@@ -21,10 +21,18 @@
 //      FMAs, so every warp keeps two items in flight from start to end (no tail between waves of
 //      blocks); fp32 accumulation per m, one xor-shuffle sum per (row, m) when a row is done.
 //   4. Epilogue per row: y = bf16(acc); with a residual (one weight only) out = bf16(residual + y).
+// Two weight streams, the same items in the same order (so the same bits; KDTREE_GEMV_RING picks):
+//   - the ring kernel (default where its shared memory fits): lane 0 of each warp copies items into
+//     a ring of shared-memory stages with bulk copies (bulk_copy.cuh), all stages before the wait;
+//     the warp reads each stage once it has landed and refills it.  It beat the register kernel on
+//     the large-K layers (K2's q_a + kv_a 16.9 -> 13.2 us, dense MLP 31.3 -> 25.9 us) and at M = 4
+//     (RESULTS.md runs 61-62); about even on 2p2b's small layers;
+//   - the register kernel (steps 0-4 above, two items in flight per warp).
 // Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
 // (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
 // and sm_120.
 #include "bf16_vec.cuh"
+#include "bulk_copy.cuh"
 #include "check.h"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
@@ -37,6 +45,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -50,6 +59,10 @@ constexpr int kMaxRows = 4;                 // rows of x per block (accumulators
 constexpr int kNormPrefetch = 4;            // norm-weight chunks per thread loaded with x (K <= 8192)
 constexpr int kSmemLimit = 96 * 1024;       // the prologue's rows, within sm_120's 99 KB per block
 constexpr int kDefaultSmem = 48 * 1024;
+constexpr int kMaxStages = 8;               // ring kernel: items in flight per warp, at most
+constexpr int kDefaultStages = 3;           // and by default (H200, RESULTS.md run 62: 2-3 beat 6 and
+                                            // two blocks per SM; fewer stages leave room for the next
+                                            // kernel's blocks to start their loads early)
 
 enum Prologue : int { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
 
@@ -67,6 +80,8 @@ struct Params {
   float eps;
   int M, K, rows_per_block, prologue, nseg, rows_total;
   int early;                      // items (0, 1 or 2) whose loads are issued before pdl_wait
+                                  // (ring kernel: 0 or all of its stages)
+  int stages;                     // ring kernel: stages per warp (2 .. kMaxStages)
   Segment seg[kMaxWeights];
 };
 
@@ -260,6 +275,101 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   }
 }
 
+// The ring kernel: gemv_kernel's items, order and arithmetic (so the same bits), with the weight
+// bytes streamed by bulk copies (bulk_copy.cuh) into a per-warp ring of p.stages shared-memory
+// stages of one item (32 · kB chunks) each instead of registers.  Lane 0 of each warp is its
+// producer: before the programmatic-launch wait it fills every stage (weights only), then refills
+// a stage as soon as the warp has read it, so a warp has p.stages items in flight where the
+// register kernel has two, for the cost of one instruction per item.
+template <int kB>
+__global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
+  constexpr int kItem = 32 * kB;  // chunks per item (stage)
+  extern __shared__ uint4 smem[];  // [rows_per_block][K / 8] prologue output, then the rings
+  __shared__ alignas(8) uint64_t bars[kWarps][kMaxStages];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int m0 = int(blockIdx.y) * p.rows_per_block;
+  const int rows = min(p.rows_per_block, p.M - m0);
+  const int chunks = p.K >> 3;
+  const int nb = (chunks + kItem - 1) / kItem;
+  const int stride = int(gridDim.x) * kWarps;
+  const int S = p.stages;
+  uint4* xs = smem;
+  uint4* ring = smem + p.rows_per_block * chunks + warp * S * kItem;
+  uint64_t* bar = bars[warp];
+
+  auto advance = [&](int& r, int& bb) {
+    if (++bb == nb) {
+      bb = 0;
+      r += stride;
+    }
+  };
+  // the producer's cursor: the next item to copy, into stage `fill` % S
+  int rp = int(blockIdx.x) * kWarps + warp, bp = 0, fill = 0;
+  auto produce = [&]() {  // lane 0 only
+    const Segment seg = locate(p, rp);
+    const int c0 = bp * kItem;
+    const int n = min(kItem, chunks - c0);
+    const uint4* src = reinterpret_cast<const uint4*>(seg.w) + int64_t(rp - seg.row_begin) * chunks + c0;
+    const int s = fill % S;
+    bulk_load(ring + s * kItem, src, uint32_t(n) * 16u, bar + s);
+    ++fill;
+    advance(rp, bp);
+  };
+  if (lane == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(bar + s, 1);
+    fence_mbar_init();
+    if (p.early > 0)
+      for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
+  }
+  __syncwarp();
+  pdl_wait();
+  pdl_launch_dependents();
+  if (lane == 0 && p.early == 0)
+    for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
+  prologue(p, xs, m0, rows, chunks);
+
+  float acc[kMaxRows];
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
+  int rho = int(blockIdx.x) * kWarps + warp, b = 0;
+  for (int j = 0; rho < p.rows_total; ++j) {
+    const int s = j % S;
+    mbar_wait(bar + s, uint32_t(j / S) & 1u);
+    const uint4* st = ring + s * kItem;
+#pragma unroll
+    for (int u = 0; u < kB; ++u) {
+      const int c = b * kItem + lane + 32 * u;
+      if (c < chunks) {
+        const uint4 w = st[lane + 32 * u];
+#pragma unroll
+        for (int m = 0; m < kMaxRows; ++m)
+          if (m < rows) acc[m] = dot8(w, xs[m * chunks + c], acc[m]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0 && rp < p.rows_total) {
+      fence_proxy_async();  // the warp's reads of stage s before the copy that refills it
+      produce();
+    }
+    if (b == nb - 1) {  // row done: reduce, round, add the residual, store
+      const Segment seg = locate(p, rho);
+      const int n = rho - seg.row_begin;
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m) {
+        const float t = warp_sum(acc[m]);
+        acc[m] = 0.f;
+        if (lane == 0 && m < rows) {
+          const int64_t at = int64_t(m0 + m) * seg.n + n;
+          float y = round_bf16(t);
+          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
+          seg.out[at] = __float2bfloat16(y);
+        }
+      }
+    }
+    advance(rho, b);
+  }
+}
+
 // The two instantiations: 8 chunks per lane per item (2 blocks / SM) or 4 (3 blocks / SM).
 using GemvKernel = void (*)(const Params);
 constexpr GemvKernel kKernels[2] = {gemv_kernel<8, 2>, gemv_kernel<4, 3>};
@@ -286,6 +396,50 @@ Tuning tuning() {
     return r;
   }();
   return t;
+}
+
+// The ring kernel's configuration: kB = 4 (2 KB items, the register kernel's default item), a
+// stage of all 8 warps' rings per kRingStageBytes.
+constexpr int kRingB = 4;
+constexpr int kRingStageBytes = kWarps * 32 * kRingB * 16;
+
+// The ring kernel's launch: stages per warp and the most blocks per SM.
+struct RingConfig {
+  int stages = 0;  // 0: use the register kernel
+  int max_per_sm = 0;  // 0: as many as fit
+};
+
+// Stages per warp for the ring kernel with `x_smem` bytes of prologue output per block: as many as
+// fit (up to kDefaultStages) with two blocks per SM, else with one; 0 (use the register kernel)
+// when fewer than two fit.  KDTREE_GEMV_RING (read per call, for A/B runs; neither number changes
+// the result's bits): 0 = the register kernel; "n" caps the stages at n (2 .. kMaxStages) instead;
+// "n,b" also caps the blocks per SM at b.
+RingConfig ring_config(const cudaDeviceProp& prop, int x_smem) {
+  RingConfig r;
+  int cap = kDefaultStages;
+  if (const char* env = std::getenv("KDTREE_GEMV_RING")) {
+    if (std::strcmp(env, "0") == 0) return r;
+    int n = 0, b = 0;
+    const int got = std::sscanf(env, "%d,%d", &n, &b);
+    if (got >= 1 && n >= 2 && n <= kMaxStages) cap = n;
+    if (got == 2 && b >= 1) r.max_per_sm = b;
+  }
+  static const int static_smem = [] {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_ring_kernel<kRingB>));
+    return int(attr.sharedSizeBytes);
+  }();
+  const int reserved = int(prop.reservedSharedMemPerBlock);
+  auto fit = [&](int budget) { return std::min(cap, (budget - reserved - static_smem - x_smem) / kRingStageBytes); };
+  const int two = fit(int(prop.sharedMemPerMultiprocessor / 2));
+  if (two >= std::min(cap, 4)) {
+    r.stages = two;
+    return r;
+  }
+  const int one = std::min(fit(int(prop.sharedMemPerMultiprocessor)),
+                           (int(prop.sharedMemPerBlockOptin) - static_smem - x_smem) / kRingStageBytes);
+  r.stages = std::min(cap, one) >= 2 ? std::min(cap, one) : 0;
+  return r;
 }
 
 void check_aligned(const at::Tensor& t, const char* op, const char* name) {
@@ -362,6 +516,26 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   p.early = !prewait_enabled("gemv") ? 0 : (items_env != nullptr && std::strcmp(items_env, "1") == 0) ? 1 : 2;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int sms = prop->multiProcessorCount;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool pdl = pdl_enabled("gemv");
+  if (const RingConfig ring = ring_config(*prop, smem); ring.stages >= 2) {
+    const int stages = ring.stages;
+    p.stages = stages;
+    p.early = prewait_enabled("gemv") ? 1 : 0;
+    const int ring_smem = smem + stages * kRingStageBytes;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_ring_kernel<kRingB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        ring_smem));
+    int per_sm = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ring_kernel<kRingB>, kThreads, ring_smem));
+    if (ring.max_per_sm > 0) per_sm = std::min(per_sm, ring.max_per_sm);
+    const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms);
+    launch_kernel(gemv_ring_kernel<kRingB>, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads),
+                  size_t(ring_smem), stream, pdl, p);
+    return outs;
+  }
   const Tuning tune = tuning();
   const GemvKernel kernel = kKernels[tune.variant];
   if (smem + int(sizeof(float)) * (kMaxRows * kWarps + kMaxRows) > kDefaultSmem)  // dynamic + static > 48 KB
@@ -370,11 +544,9 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   // fewer when there are fewer rows than warps
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
   const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident);
-  launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem),
-                at::cuda::getCurrentCUDAStream(), pdl_enabled("gemv"), p);
+  launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem), stream, pdl, p);
   return outs;
 }
 

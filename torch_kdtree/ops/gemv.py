@@ -14,7 +14,8 @@ Products are summed in fp32 and rounded once to x's dtype: ``y_i = bf16(prologue
 With one weight and a ``residual`` [M, N]: ``out = bf16(residual + y)`` (the residual add a
 decoder layer does after its attention or MLP).
 
-The CUDA kernel (csrc/gemv.cu) streams each weight once with its loads issued before the prologue:
+The CUDA kernel (csrc/gemv.cu) streams each weight once (bulk copies into shared-memory stages, or
+loads into registers with ``KDTREE_GEMV_RING=0``: the same bits) with its loads issued before the prologue:
 made for a few rows (decode, up to a handful of tokens), where a GEMM's fixed cost and a separate
 norm kernel dominate; larger M works (blocks of 4 rows re-read the weight) but belongs to a GEMM.
 The CPU kernel is :func:`gemv_reference`.
