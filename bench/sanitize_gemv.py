@@ -1,8 +1,10 @@
 """Representative kdtree::gemv and kdtree::moe_gemv calls for compute-sanitizer memcheck: gemv with
 each prologue, several weights, K past one block of rows in shared memory and M past one block of
 rows; moe_gemv with and without the shared expert, odd sizes and the 2p2b decode shape.  Each with
-KDTREE_PREWAIT on and off (the first weight loads before or after the programmatic-launch wait):
-the results must be the same bits, and both must match the CPU reference."""
+KDTREE_PREWAIT on and off (the first weight loads before or after the programmatic-launch wait)
+and, for gemv, both weight streams (KDTREE_GEMV_RING: bulk copies into shared-memory stages, or
+registers) and the router form (fp32 first output, the prologue's output returned): the results
+must be the same bits, and all must match the CPU reference."""
 import os
 
 import torch
@@ -26,7 +28,17 @@ def both(fn):
     return outs
 
 
-def call_gemv(M, K, Ns, prologue, residual):
+def four(fn):
+    """fn() for both KDTREE_PREWAIT values, with the ring kernel and then the register kernel."""
+    outs = []
+    for ring in ("3", "0"):
+        os.environ["KDTREE_GEMV_RING"] = ring
+        outs += both(fn)
+    os.environ.pop("KDTREE_GEMV_RING")
+    return outs
+
+
+def call_gemv(M, K, Ns, prologue, residual, **extra):
     x = torch.randn(M, K, generator=g).bfloat16()
     ws = [(torch.randn(N, K, generator=g) / K ** 0.5).bfloat16() for N in Ns]
     kw = {}
@@ -37,9 +49,10 @@ def call_gemv(M, K, Ns, prologue, residual):
     if residual:
         kw["residual"] = torch.randn(M, Ns[0], generator=g).bfloat16()
     ckw = {k: v.cuda() for k, v in kw.items()}
-    late, early = both(lambda: gemv(x.cuda(), [w.cuda() for w in ws], **ckw))
-    want = gemv_reference(x, ws, **kw)
-    ok = all(torch.equal(a, b) for a, b in zip(late, early)) and all(rel(a, b) < 8e-3 for a, b in zip(early, want))
+    runs = four(lambda: gemv(x.cuda(), [w.cuda() for w in ws], **ckw, **extra))
+    want = gemv_reference(x, ws, **kw, **extra)
+    ok = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
+    ok = ok and all(rel(a, b) < 8e-3 for a, b in zip(runs[0], want))
     return "OK" if ok else "MISMATCH"
 
 
@@ -63,6 +76,8 @@ print(call_gemv(1, 2048, (1536, 576), "norm", False))
 print(call_gemv(5, 264, (40,), "swiglu", True))
 print(call_gemv(3, 18432, (96,), "swiglu", False))
 print(call_gemv(4, 7168, (300, 8, 24), None, False))
+print(call_gemv(1, 7168, (384, 256, 256), "norm", False, fp32_outputs=1, return_input=True))
+print(call_gemv(3, 2048, (64,), "norm", False, fp32_outputs=1, return_input=True))
 print(call_moe(1, 8, 64, 2048, 512, 512))
 print(call_moe(3, 6, 10, 136, 24, 1040))
 print(call_moe(2, 3, 8, 256, 64, 0))

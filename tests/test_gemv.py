@@ -27,26 +27,35 @@ def make_case(gen, M, K, Ns, prologue=None, residual=False, dtype=torch.bfloat16
     return x, weights, kw
 
 
-def oracle(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None):
+def oracle(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None, fp32_outputs=0, return_input=False):
     """float64, row by row with explicit sums; the op's rounding points applied by casting through
-    x's dtype."""
+    x's dtype (none for the first fp32_outputs outputs); the prologue's rows appended last when
+    return_input."""
     dt = x.dtype
     rnd = lambda v: v.to(dt).double()  # noqa: E731
+
+    def prologue(m):
+        xm = x[m].double().cpu()
+        if norm_weight is not None:
+            r = 1.0 / float(torch.sqrt((xm * xm).sum() / xm.numel() + eps))
+            xm = rnd(norm_weight.double().cpu() * rnd(xm * r))
+        elif up is not None:
+            xm = rnd(xm / (1 + torch.exp(-xm)) * up[m].double().cpu())
+        return xm
+
     outs = []
-    for w in weights:
+    for i, w in enumerate(weights):
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float64)
         for m in range(x.shape[0]):
-            xm = x[m].double().cpu()
-            if norm_weight is not None:
-                r = 1.0 / float(torch.sqrt((xm * xm).sum() / xm.numel() + eps))
-                xm = rnd(norm_weight.double().cpu() * rnd(xm * r))
-            elif up is not None:
-                xm = rnd(xm / (1 + torch.exp(-xm)) * up[m].double().cpu())
-            y = rnd((w.double().cpu() * xm).sum(-1))
+            y = (w.double().cpu() * prologue(m)).sum(-1)
+            if i >= fp32_outputs:
+                y = rnd(y)
             if residual is not None:
                 y = rnd(residual[m].double().cpu() + y)
             out[m] = y
         outs.append(out)
+    if return_input:
+        outs.append(torch.stack([prologue(m) for m in range(x.shape[0])]))
     return outs
 
 
@@ -79,6 +88,28 @@ def test_reference_in_bfloat16_rounds_where_the_oracle_does(fresh_seed, prologue
     for g, w in zip(gemv_reference(x, weights, **kw), oracle(x, weights, **kw)):
         # fp32 against fp64 sums may land on either side of a bf16 rounding boundary: a few ulps
         assert rel_err(g, w) < 8e-3
+
+
+@pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_fp32_outputs_and_returned_input_match_the_oracle(fresh_seed, prologue, dtype):
+    """fp32_outputs: the first outputs are the fp32 sums, unrounded (a router's logits); return_input:
+    the prologue's output comes last, in x's dtype."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, weights, kw = make_case(gen, 3, 128, (24, 16, 8), prologue, False, dtype)
+    got = gemv_reference(x, weights, **kw, fp32_outputs=2, return_input=True)
+    want = oracle(x, weights, **kw, fp32_outputs=2, return_input=True)
+    assert [g.dtype for g in got] == [torch.float32, torch.float32, dtype, dtype]
+    assert [tuple(g.shape) for g in got] == [(3, 24), (3, 16), (3, 8), (3, 128)]
+    for g, w in zip(got[:2], want[:2]):  # fp32 sums of exact products against float64 sums
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: fp32 vs fp64 may cross a rounding boundary
+    for g, w in zip(got[2:], want[2:]):
+        assert rel_err(g, w) < tol
+    # the rounded outputs are those of a plain call; the returned input is what the products used
+    plain = gemv_reference(x, weights, **kw)
+    assert torch.equal(got[2], plain[2])
+    assert torch.equal(got[0], gemv_reference(got[3], weights[:1], fp32_outputs=1)[0])
 
 
 def test_reference_agrees_with_the_models_modules(fresh_seed):
@@ -155,17 +186,29 @@ def test_bad_shapes_raise(small):
         gemv(x, [w0.t().contiguous().t()])
     with pytest.raises(ValueError, match="eps must be"):
         gemv(x, [w0], torch.ones(32, dtype=torch.bfloat16), eps=-1.0)
+    with pytest.raises(ValueError, match=r"fp32_outputs must be an int in \[0, 2\]"):
+        gemv(x, [w0, w1], fp32_outputs=3)
+    with pytest.raises(ValueError, match="fp32_outputs must be"):
+        gemv(x, [w0], fp32_outputs=-1)
+    with pytest.raises(ValueError, match="fp32_outputs must be"):
+        gemv(x, [w0], fp32_outputs=True)
+    with pytest.raises(ValueError, match="cannot go with fp32_outputs"):
+        gemv(x, [w0], residual=torch.zeros((2, 16), dtype=torch.bfloat16), fp32_outputs=1)
+    with pytest.raises(TypeError, match="return_input must be a bool"):
+        gemv(x, [w0], return_input=1)
 
 
 # --------------------------------------------------------------------------------------------
 # opcheck and torch.compile (CPU)
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prologue,residual", [(None, False), ("norm", False), ("swiglu", True)])
-def test_opcheck_cpu(prologue, residual):
+@pytest.mark.parametrize("prologue,residual,extra", [(None, False, {}), ("norm", False, {}), ("swiglu", True, {}),
+                                                     ("norm", False, {"fp32_outputs": 1, "return_input": True}),
+                                                     (None, False, {"return_input": True})])
+def test_opcheck_cpu(prologue, residual, extra):
     gen = torch.Generator().manual_seed(1)
     x, weights, kw = make_case(gen, 3, 64, (16,) if residual else (16, 24), prologue, residual)
-    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), kw)
+    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), {**kw, **extra})
 
 
 def test_compiles_with_fullgraph_on_cpu(fresh_seed):
@@ -179,6 +222,16 @@ def test_compiles_with_fullgraph_on_cpu(fresh_seed):
 
     want = [o.float().sum(-1) for o in gemv_reference(x, weights, **kw)]
     assert torch.equal(torch.compile(step, fullgraph=True)(x), want[0] + want[1])
+
+    def router_step(x):
+        logits, b, xn = gemv(x, weights, **kw, fp32_outputs=1, return_input=True)
+        return logits.sum(-1) + xn.float().sum(-1)
+
+    torch._dynamo.reset()
+    ref = gemv_reference(x, weights, **kw, fp32_outputs=1, return_input=True)
+    # (inductor may sum in another order than eager)
+    torch.testing.assert_close(torch.compile(router_step, fullgraph=True)(x), ref[0].sum(-1) + ref[2].float().sum(-1),
+                               rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +270,43 @@ def test_cuda_kernel_matches_reference(fresh_seed, M, K, Ns, prologue, residual)
 
 
 @requires_kernel
+@pytest.mark.parametrize("M,K,Ns,prologue,fp32", [
+    (1, 2048, (64,), "norm", 1),                  # 2p2b: post-attention norm + router
+    (1, 7168, (384, 256, 256), "norm", 1),        # K2 rank: norm + router + the shared expert's gate, up
+    (4, 7168, (384, 256, 256), "norm", 1),
+    (3, 136, (7, 33, 1), "swiglu", 3),
+    (2, 264, (40,), None, 0),
+    (5, 64, (0,), "norm", 0),                     # no rows at all: the input still comes back
+])
+def test_cuda_fp32_outputs_and_returned_input(fresh_seed, M, K, Ns, prologue, fp32):
+    x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, False)
+    got = gemv(x, weights, **kw, fp32_outputs=fp32, return_input=True)
+    cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in kw.items()}
+    want = gemv_reference(x.cpu(), [w.cpu() for w in weights], **cpu, fp32_outputs=fp32, return_input=True)
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got[:fp32], want[:fp32]):
+        # fp32 sums in another order (and a norm that may round a few inputs the other way)
+        if w.numel():
+            assert rel_err(g, w) < 2e-3
+    for g, w in zip(got[fp32:], want[fp32:]):
+        if w.numel():
+            assert rel_err(g, w) < 8e-3
+    # the returned input is exactly the kernel's GEMV input: a plain call on it gives the same bits
+    xn = got[-1]
+    if prologue is None:
+        assert torch.equal(xn, x)
+    if sum(Ns):
+        again = gemv(xn, weights, fp32_outputs=fp32)
+        for a, b in zip(again, got[:-1]):
+            assert torch.equal(a, b)
+    # and the bf16 outputs are those of the call without the new arguments
+    plain = gemv(x, weights, **kw)
+    for a, b in zip(plain[fp32:], got[fp32:-1]):
+        assert torch.equal(a, b)
+
+
+@requires_kernel
 def test_cuda_results_are_deterministic(fresh_seed):
     x, weights, kw = cuda_case(fresh_seed, 4, 1024, (512, 64), "norm", False)
     first = gemv(x, weights, **kw)
@@ -247,6 +337,8 @@ def test_cuda_ring_and_register_kernels_give_the_same_bits(fresh_seed, monkeypat
     stages (default; any stage count) or loads into registers (0).  Same items, same order, same
     bits -- so a verify pass and a decode pass agree whichever kernel each shape gets."""
     x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, residual)
+    if not residual:  # and the router form: an fp32 first output and the prologue's output
+        kw.update(fp32_outputs=1, return_input=True)
     runs = {}
     for ring in ("0", "2", "3", "8", None):
         if ring is None:
@@ -295,10 +387,11 @@ def test_cuda_reads_no_rows_past_its_inputs(fresh_seed):
 
 
 @requires_kernel
-@pytest.mark.parametrize("prologue,residual", [("norm", False), ("swiglu", True)])
-def test_opcheck_cuda(fresh_seed, prologue, residual):
+@pytest.mark.parametrize("prologue,residual,extra", [("norm", False, {}), ("swiglu", True, {}),
+                                                     ("norm", False, {"fp32_outputs": 1, "return_input": True})])
+def test_opcheck_cuda(fresh_seed, prologue, residual, extra):
     x, weights, kw = cuda_case(fresh_seed, 2, 256, (64,) if residual else (64, 32), prologue, residual)
-    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), kw)
+    torch.library.opcheck(torch.ops.kdtree.gemv.default, (x, weights), {**kw, **extra})
 
 
 @requires_kernel
@@ -313,6 +406,17 @@ def test_cuda_compiles_with_fullgraph(fresh_seed):
     got = torch.compile(step, fullgraph=True)(x)
     want = torch.cat(gemv_reference(x.cpu(), [w.cpu() for w in weights], kw["norm_weight"].cpu(), kw["eps"]), -1)
     assert rel_err(got, want.float() * 2) < 8e-3
+
+    def router_step(x):  # the router form: fp32 logits, a bf16 projection and the normalised input
+        logits, b, xn = gemv(x, weights, **kw, fp32_outputs=1, return_input=True)
+        return logits.softmax(-1), b.float() + 1, xn * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(router_step, fullgraph=True)(x)
+    eager = router_step(x)
+    for g, e in zip(got, eager):
+        assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), rtol=1e-5, atol=1e-6)
+    assert got[0].dtype == torch.float32 and got[2].dtype == torch.bfloat16
 
 
 @requires_kernel

@@ -778,6 +778,8 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     from torch_kdtree.models.kimi_k2 import modeling, moe
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
+    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)  # the router's launch too (route_gemv)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)   # the shared expert inside moe_gemv
     monkeypatch.setattr(modeling, "fused_gemv", counted)
     monkeypatch.setattr(moe, "fused_gemv", counted)
     step = decode_step
@@ -794,7 +796,7 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     q_b = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     layer0 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.intermediate_size, cfg.intermediate_size),
               (cfg.hidden_size,)]
-    layer1 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,)]
+    layer1 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.n_routed_experts,)]  # ..., o_proj, norm + router
     assert calls == (layer0 + layer1) * 3  # per step (dynamo replays the list's appends)
     assert rel_err(got.float(), want.float()) <= 3e-2
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -810,6 +812,82 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     for hd in handles:
         hd.remove()
     assert calls == layer1
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("shared", [1, 0], ids=["shared", "no_shared"])
+def test_decode_router_takes_the_norm_into_one_gemv(compiled, shared, monkeypatch):
+    """On CUDA (forced here; the ops' CPU kernels run) a decode-sized bf16 MoE block whose experts run
+    in kdtree::moe_gemv computes the post-attention norm and the router's fp32 logits in one
+    kdtree::gemv launch (route_gemv) and chooses with kdtree::moe_route: the normalised input is
+    norm(h) exactly, the choice is the router's own and the block's output equals forward(norm(h))
+    up to the fp32 sums' order.  INT4 experts, experts outside moe_gemv, hooks and fp32 weights keep
+    the modules."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+    from torch_kdtree.models.kimi_k2.modeling import KimiK2RMSNorm
+
+    def block_for(cfg, seed):
+        torch.manual_seed(seed)
+        block, norm = moe.KimiK2MoE(cfg), KimiK2RMSNorm(cfg.hidden_size, 1e-6)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.2)
+            block.gate.e_score_correction_bias.normal_(0, 0.1)
+            norm.weight.uniform_(0.5, 1.5)
+        return block.to(torch.bfloat16), norm.to(torch.bfloat16)
+
+    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+                                                num_experts_per_tok=4, n_group=4, topk_group=2,
+                                                n_shared_experts=shared))
+    block, norm = block_for(cfg, 7)
+    h = (torch.randn(3, 1, 64) * 2).to(torch.bfloat16)
+    want_routing = block.gate(norm(h).view(3, -1))
+    want = block(norm(h))  # module calls, on CPU
+    calls = []
+    real = moe.fused_gemv
+
+    def counted(x, weights, *args, **kwargs):
+        calls.append((tuple(w.shape[0] for w in weights), kwargs.get("fp32_outputs"), kwargs.get("return_input")))
+        return real(x, weights, *args, **kwargs)
+
+    assert not block.router_gemv_ok(h, norm)  # CPU
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
+    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    monkeypatch.setattr(moe, "fused_gemv", counted)
+    assert block.router_gemv_ok(h, norm)
+
+    def step(h):
+        x, routing = block.route_gemv(h, norm)
+        return x, routing, block(x, routing=routing)
+
+    x, routing, got = call_maybe_compiled(step, compiled, h)
+    assert calls == [((16,), 1, True)]
+    assert torch.equal(x, norm(h))
+    assert torch.equal(routing[0], want_routing[0])
+    torch.testing.assert_close(routing[1], want_routing[1], rtol=1e-5, atol=1e-6)
+    assert rel_err(got.float(), want.float()) <= 2e-2
+    # off: a hook on the router (a tensor-parallel wrapper), fp32 inputs, experts outside moe_gemv,
+    # INT4 experts, the switch
+    handle = block.gate.register_forward_pre_hook(lambda m, a: None)
+    assert not block.router_gemv_ok(h, norm)
+    handle.remove()
+    assert not block.router_gemv_ok(h.float(), norm.float())
+    assert not block.router_gemv_ok(torch.randn(5, 1, 64).to(torch.bfloat16), norm)  # past FUSED_ROWS
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", False)
+    assert not block.router_gemv_ok(h, norm)
+    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    int4_cfg = KimiK2Config.from_dict(k2_config_dict(**INT4_SIZES, moe_intermediate_size=64, n_routed_experts=16,
+                                                     num_experts_per_tok=4, n_shared_experts=shared))
+    int4_block, int4_norm = block_for(int4_cfg, 8)
+    g = torch.Generator().manual_seed(8)
+    H = int4_cfg.hidden_size
+    int4_block.experts.set_int4(*_random_int4(16, 64, H, g), *_random_int4(16, 64, H, g),
+                                *_random_int4(16, H, 64, g))
+    assert not int4_block.router_gemv_ok(torch.randn(1, 1, H).to(torch.bfloat16), int4_norm)
+    monkeypatch.setattr(moe, "_ROUTER_GEMV", False)
+    assert not block.router_gemv_ok(h, norm)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

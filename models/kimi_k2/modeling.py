@@ -349,6 +349,8 @@ class KimiK2DecoderLayer(nn.Module):
         if isinstance(self.mlp, KimiK2MoE):
             if self.mlp.router_fused_ok(h, self.post_attention_layernorm):
                 x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
+            elif self.mlp.router_gemv_ok(h, self.post_attention_layernorm):
+                x, routing = self.mlp.route_gemv(h, self.post_attention_layernorm)
             else:
                 x, routing = self.post_attention_layernorm(h), None
             if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's down kernel

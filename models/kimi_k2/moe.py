@@ -46,6 +46,13 @@ _SHARED_IN_MOE_GEMV = True
 # 0.7374 vs 0.7273 ms, k2_slice 0.5126 vs 0.4767 ms per step; run 58, bf16 routers: 0.6513 vs
 # 0.6321 and 0.4539 vs 0.4038).  KDTREE_ROUTER_FUSED=1 turns it on (read at import).
 _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
+# Decode-sized bf16 passes on CUDA (when moe_router is off) whose experts (and shared expert) run in
+# kdtree::moe_gemv: the post-attention RMSNorm and the router's fp32 logits in one kdtree::gemv
+# launch, then kdtree::moe_route (KimiK2MoE.router_gemv_ok).  On the H200 (RESULTS.md run 63) 2p2b
+# went 0.6429 -> 0.6365 ms per step; k2_slice's INT4 blocks, with the shared expert's gate and up
+# in the same launch, went 0.3850 -> 0.3925, so INT4 blocks keep inductor's norm + router + shared
+# kernels.  KDTREE_ROUTER_GEMV=0 turns it off (read at import).
+_ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
 
 
 class KimiK2MLP(nn.Module):
@@ -133,15 +140,22 @@ class KimiK2Router(FixedDtype):
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k]).  On CUDA the choice is
         one ``kdtree::moe_route`` launch (same rule, ties lower expert id first), eager or compiled."""
         logits = matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
+        return self.route(logits)
+
+    def _use_route_op(self, logits: torch.Tensor) -> bool:
+        return gemv._on_gpu(logits) and self.route_op_fits()
+
+    def route_op_fits(self) -> bool:
+        """kdtree::moe_route has a CUDA kernel and takes this router's expert count, k and groups."""
+        return (_HAS_MOE_ROUTE_CUDA and self.weight.shape[0] <= _ROUTE_MAX_E and self.top_k <= _ROUTE_MAX_K
+                and self.n_group <= _ROUTE_MAX_G)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choice from fp32 logits [T, E] (moe_route where it runs, else torch ops)."""
         if self._use_route_op(logits):
             return moe_route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
                              bool(self.norm_topk_prob), float(self.routed_scaling_factor))
         return self._route(logits)
-
-    def _use_route_op(self, logits: torch.Tensor) -> bool:
-        E = logits.shape[-1]
-        return (_HAS_MOE_ROUTE_CUDA and gemv._on_gpu(logits) and E <= _ROUTE_MAX_E and self.top_k <= _ROUTE_MAX_K
-                and self.n_group <= _ROUTE_MAX_G)
 
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The choice in torch ops, from fp32 logits [T, E]."""
@@ -352,12 +366,36 @@ class KimiK2MoE(nn.Module):
                                         float(gate.routed_scaling_factor))
         return x.view(h.shape), (ids, weights)
 
+    def router_gemv_ok(self, h: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether :meth:`route_gemv` computes ``norm(h)`` and the router's logits in one
+        ``kdtree::gemv`` launch: the kernel built, h bf16 on CUDA with at most gemv.FUSED_ROWS rows
+        (the fused projections' rows), a plain bf16 norm and router weight, nothing hooked, the
+        choice on ``kdtree::moe_route``, and the experts (with the shared expert, if any) on
+        ``kdtree::moe_gemv`` -- not INT4 experts (slower there, see _ROUTER_GEMV)."""
+        gate = self.gate
+        hooked = self._forward_hooks or self._forward_pre_hooks or gate._forward_hooks or gate._forward_pre_hooks
+        if not (_ROUTER_GEMV and not hooked and use_fused(h, norm, gate) and gate.route_op_fits()):
+            return False
+        if self.experts.is_int4:
+            return False
+        in_moe_gemv = self.experts._moe_gemv_fits(h, h.numel() // h.shape[-1] * gate.top_k)  # int32 ids
+        return in_moe_gemv and (self.shared_experts is None or self._shared_fits(in_moe_gemv))
+
+    def route_gemv(self, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``(norm(h), (topk_ids, topk_weights))`` from one ``kdtree::gemv`` launch (the norm as its
+        prologue, returned; the router's fp32 logits) and one ``kdtree::moe_route``."""
+        gate = self.gate
+        logits, x = fused_gemv(h.reshape(-1, h.shape[-1]), [gate.weight], norm.weight, norm.eps, fp32_outputs=1,
+                               return_input=True)
+        return x.view(h.shape), gate.route(logits)
+
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
-        caller has chosen the experts (:meth:`route_fused`), else the router runs here.  With
-        ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`): ``residual + MoE(x)``,
-        the add inside kdtree::moe_gemv's down kernel when that computes the block."""
+        caller has chosen the experts (:meth:`route_fused`, :meth:`route_gemv`), else the router runs
+        here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
+        ``residual + MoE(x)``, the add inside kdtree::moe_gemv's down kernel when that computes the
+        block."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None

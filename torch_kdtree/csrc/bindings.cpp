@@ -87,9 +87,10 @@ TORCH_LIBRARY(kdtree, m) {
 
   // ---- decode-sized linear layers (ops/gemv.py, csrc/gemv.cu) ----
   // out_i = prologue(x) @ weights[i].T for up to 4 weights [N_i, K] sharing x [M, K]; the prologue
-  // is x, RMSNorm(x) * norm_weight, or silu(x) * up; with one weight, optionally + residual.
+  // is x, RMSNorm(x) * norm_weight, or silu(x) * up; with one weight, optionally + residual.  The
+  // first fp32_outputs outputs are the fp32 sums; return_input appends the prologue's output.
   m.def("gemv(Tensor x, Tensor[] weights, Tensor? norm_weight=None, float eps=1e-06, Tensor? up=None,"
-        " Tensor? residual=None) -> Tensor[]");
+        " Tensor? residual=None, int fp32_outputs=0, bool return_input=False) -> Tensor[]");
 
 }
 

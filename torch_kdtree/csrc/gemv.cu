@@ -68,15 +68,17 @@ enum Prologue : int { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
 
 struct Segment {
   const __nv_bfloat16* w;  // [n, K]
-  __nv_bfloat16* out;      // [M, n]
+  void* out;               // [M, n]: bf16, or fp32 (the unrounded sums) when fp32
   int n;
   int row_begin;           // first row of this weight in the concatenation
+  int fp32;
 };
 
 struct Params {
   const __nv_bfloat16* x;         // [M, K]
   const __nv_bfloat16* aux;       // norm weight [K] (kRmsNorm) or up [M, K] (kSwiGlu)
   const __nv_bfloat16* residual;  // [M, seg[0].n] or nullptr
+  __nv_bfloat16* x_out;           // [M, K]: the prologue's output, or nullptr
   float eps;
   int M, K, rows_per_block, prologue, nseg, rows_total;
   int early;                      // items (0, 1 or 2) whose loads are issued before pdl_wait
@@ -173,6 +175,13 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
   __syncthreads();
 }
 
+// The prologue's output rows to p.x_out (blocks of column 0 of the grid; after the prologue's barrier).
+__device__ __forceinline__ void store_input(const Params& p, const uint4* xs, int m0, int rows, int chunks) {
+  if (p.x_out == nullptr || blockIdx.x != 0) return;
+  uint4* dst = reinterpret_cast<uint4*>(p.x_out) + int64_t(m0) * chunks;
+  for (int i = threadIdx.x; i < rows * chunks; i += kThreads) dst[i] = xs[i];
+}
+
 // Output row rho of the concatenated weights: its segment (selects, no dynamic param indexing).
 __device__ __forceinline__ Segment locate(const Params& p, int rho) {
   Segment seg = p.seg[0];
@@ -190,6 +199,29 @@ __device__ __forceinline__ void load_chunks(const Params& p, int rho, int base, 
   for (int u = 0; u < kB; ++u) {
     const int c = base + lane + 32 * u;
     if (c < chunks) buf[u] = kEarly ? ld_stream_early(w + c) : ld_stream(w + c);
+  }
+}
+
+// A finished row: the warp's sums (one per row m of x), reduced over the lanes; lane 0 stores
+// y = bf16(sum) [+ residual, rounded again], or the fp32 sum for an fp32 segment.
+__device__ __forceinline__ void store_row(const Params& p, int rho, int m0, int rows, int lane,
+                                          float (&acc)[kMaxRows]) {
+  const Segment seg = locate(p, rho);
+  const int n = rho - seg.row_begin;
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) {
+    const float t = warp_sum(acc[m]);
+    acc[m] = 0.f;
+    if (lane == 0 && m < rows) {
+      const int64_t at = int64_t(m0 + m) * seg.n + n;
+      if (seg.fp32) {
+        static_cast<float*>(seg.out)[at] = t;
+      } else {
+        float y = round_bf16(t);
+        if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
+        static_cast<__nv_bfloat16*>(seg.out)[at] = __float2bfloat16(y);
+      }
+    }
   }
 }
 
@@ -234,6 +266,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
 
   if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue(p, xs, m0, rows, chunks);
+  store_input(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
 #pragma unroll
@@ -253,21 +286,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
           if (m < rows) acc[m] = dot8(cur[u], xs[m * chunks + c], acc[m]);
       }
     }
-    if (b == nb - 1) {  // row done: reduce, round, add the residual, store
-      const Segment seg = locate(p, rho);
-      const int n = rho - seg.row_begin;
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        const float t = warp_sum(acc[m]);
-        acc[m] = 0.f;
-        if (lane == 0 && m < rows) {
-          const int64_t at = int64_t(m0 + m) * seg.n + n;
-          float y = round_bf16(t);
-          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
-          seg.out[at] = __float2bfloat16(y);
-        }
-      }
-    }
+    if (b == nb - 1) store_row(p, rho, m0, rows, lane, acc);  // row done
 #pragma unroll
     for (int u = 0; u < kB; ++u) cur[u] = nxt[u];
     rho = rho2;
@@ -327,6 +346,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   if (lane == 0 && p.early == 0)
     for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
   prologue(p, xs, m0, rows, chunks);
+  store_input(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
 #pragma unroll
@@ -351,21 +371,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
       fence_proxy_async();  // the warp's reads of stage s before the copy that refills it
       produce();
     }
-    if (b == nb - 1) {  // row done: reduce, round, add the residual, store
-      const Segment seg = locate(p, rho);
-      const int n = rho - seg.row_begin;
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        const float t = warp_sum(acc[m]);
-        acc[m] = 0.f;
-        if (lane == 0 && m < rows) {
-          const int64_t at = int64_t(m0 + m) * seg.n + n;
-          float y = round_bf16(t);
-          if (p.residual != nullptr) y += __bfloat162float(p.residual[at]);
-          seg.out[at] = __float2bfloat16(y);
-        }
-      }
-    }
+    if (b == nb - 1) store_row(p, rho, m0, rows, lane, acc);  // row done
     advance(rho, b);
   }
 }
@@ -448,7 +454,8 @@ void check_aligned(const at::Tensor& t, const char* op, const char* name) {
 
 std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
                                   const std::optional<at::Tensor>& norm_weight, double eps,
-                                  const std::optional<at::Tensor>& up, const std::optional<at::Tensor>& residual) {
+                                  const std::optional<at::Tensor>& up, const std::optional<at::Tensor>& residual,
+                                  int64_t fp32_outputs, bool return_input) {
   constexpr const char* op = "kdtree::gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   const int64_t M = x.size(0), K = x.size(1);
@@ -487,13 +494,20 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
              "] on x's device, got ", w.sizes());
     KD_CHECK(w.size(0) < (int64_t(1) << 30), op, ": weights[", i, "] has too many rows");
     check_aligned(w, op, "weights[i]");
-    outs.push_back(at::empty({M, w.size(0)}, x.options()));
-    p.seg[i] = Segment{reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
-                       reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr()), int(w.size(0)), int(rows_total)};
+    const bool fp32 = i < fp32_outputs;
+    outs.push_back(at::empty({M, w.size(0)}, x.options().dtype(fp32 ? at::kFloat : at::kBFloat16)));
+    p.seg[i] = Segment{reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()), outs.back().data_ptr(), int(w.size(0)),
+                       int(rows_total), int(fp32)};
     rows_total += w.size(0);
+  }
+  KD_CHECK(fp32_outputs >= 0 && fp32_outputs <= nw, op, ": fp32_outputs must be in [0, ", nw, "], got ", fp32_outputs);
+  if (return_input) {
+    outs.push_back(at::empty({M, K}, x.options()));
+    p.x_out = reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr());
   }
   if (residual.has_value()) {
     KD_CHECK(nw == 1, op, ": a residual needs exactly one weight, got ", nw);
+    KD_CHECK(fp32_outputs == 0, op, ": a residual is added to a bf16 output (fp32_outputs must be 0)");
     check_cuda_tensor(*residual, op, "residual", at::kBFloat16, 2);
     KD_CHECK(residual->size(0) == M && residual->size(1) == weights[0].size(0) && residual->device() == x.device(),
              op, ": residual must be [M, N] = [", M, ", ", weights[0].size(0), "] on x's device, got ",
@@ -503,7 +517,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const int64_t grid_y = (M + rows_per_block - 1) / rows_per_block;
   KD_CHECK(grid_y <= 65535 && rows_total < (int64_t(1) << 30), op, ": too many rows (M = ", M, ", N = ", rows_total,
            ")");
-  if (M == 0 || rows_total == 0) return outs;
+  if (M == 0 || (rows_total == 0 && !return_input)) return outs;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.eps = float(eps);
   p.M = int(M);
@@ -531,7 +545,8 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     C10_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ring_kernel<kRingB>, kThreads, ring_smem));
     if (ring.max_per_sm > 0) per_sm = std::min(per_sm, ring.max_per_sm);
-    const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms);
+    const int64_t blocks = std::max<int64_t>(
+        1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms));
     launch_kernel(gemv_ring_kernel<kRingB>, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads),
                   size_t(ring_smem), stream, pdl, p);
     return outs;
@@ -545,7 +560,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
-  const int64_t blocks = std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident));
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem), stream, pdl, p);
   return outs;
 }

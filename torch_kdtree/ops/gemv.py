@@ -12,7 +12,10 @@ The prologue is one of:
 
 Products are summed in fp32 and rounded once to x's dtype: ``y_i = bf16(prologue(x) @ W_i.T)``.
 With one weight and a ``residual`` [M, N]: ``out = bf16(residual + y)`` (the residual add a
-decoder layer does after its attention or MLP).
+decoder layer does after its attention or MLP).  ``fp32_outputs = n`` keeps the first n outputs as
+the fp32 sums (a router's logits); ``return_input`` also returns the prologue's output (the
+normalised input that a router's experts read next), so a norm, a router and more projections of
+the same input are one launch.
 
 The CUDA kernel (csrc/gemv.cu) streams each weight once (bulk copies into shared-memory stages, or
 loads into registers with ``KDTREE_GEMV_RING=0``: the same bits) with its loads issued before the prologue:
@@ -34,7 +37,7 @@ MAX_K = 48 * 1024  # the kernel keeps a row of the prologue's output in 96 KB of
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(x, weights, norm_weight, eps, up, residual, op="gemv") -> None:
+def _check(x, weights, norm_weight, eps, up, residual, fp32_outputs=0, return_input=False, op="gemv") -> None:
     check_tensor(op, "x", x, _DTYPES, 2)
     if x.device.type != "cpu" and x.dtype != torch.bfloat16:
         raise TypeError(f"{op}: x must be torch.bfloat16 on {x.device.type} (other float dtypes are CPU-only), "
@@ -65,9 +68,16 @@ def _check(x, weights, norm_weight, eps, up, residual, op="gemv") -> None:
         if up.shape != x.shape:
             raise ValueError(f"{op}: up must be x's shape {tuple(x.shape)}, got {tuple(up.shape)}")
         named["up"] = up
+    if isinstance(fp32_outputs, bool) or not isinstance(fp32_outputs, int) or not 0 <= fp32_outputs <= len(weights):
+        raise ValueError(f"{op}: fp32_outputs must be an int in [0, {len(weights)}] (the number of weights), got "
+                         f"{fp32_outputs!r}")
+    if not isinstance(return_input, bool):
+        raise TypeError(f"{op}: return_input must be a bool, got {type(return_input).__name__}")
     if residual is not None:
         if len(weights) != 1:
             raise ValueError(f"{op}: a residual needs exactly one weight, got {len(weights)}")
+        if fp32_outputs:
+            raise ValueError(f"{op}: a residual is added to a rounded output; it cannot go with fp32_outputs")
         check_tensor(op, "residual", residual, x.dtype, 2)
         if tuple(residual.shape) != (M, weights[0].shape[0]):
             raise ValueError(f"{op}: residual must be [M, N] = {(M, weights[0].shape[0])}, got "
@@ -78,10 +88,11 @@ def _check(x, weights, norm_weight, eps, up, residual, op="gemv") -> None:
 
 def gemv_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
                    eps: float = 1e-6, up: Optional[torch.Tensor] = None,
-                   residual: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                   residual: Optional[torch.Tensor] = None, fp32_outputs: int = 0,
+                   return_input: bool = False) -> list[torch.Tensor]:
     """Pure-torch reference (and CPU kernel) of ``kdtree::gemv``, with the rounding points of the
     module docstring."""
-    _check(x, weights, norm_weight, eps, up, residual)
+    _check(x, weights, norm_weight, eps, up, residual, fp32_outputs, return_input)
     dt = x.dtype
     xf = x.float()
     if norm_weight is not None:
@@ -90,15 +101,19 @@ def gemv_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight
         xn = (F.silu(xf) * up.float()).to(dt)
     else:
         xn = x
-    outs = [(xn.float() @ w.float().T).to(dt) for w in weights]
+    outs = [(xn.float() @ w.float().T) for w in weights]
+    outs = [o if i < fp32_outputs else o.to(dt) for i, o in enumerate(outs)]
     if residual is not None:
         outs[0] = (residual.float() + outs[0].float()).to(dt)
+    if return_input:
+        outs.append(xn.clone() if xn is x else xn)
     return outs
 
 
 def gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight: Optional[torch.Tensor] = None,
          eps: float = 1e-6, up: Optional[torch.Tensor] = None,
-         residual: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+         residual: Optional[torch.Tensor] = None, fp32_outputs: int = 0,
+         return_input: bool = False) -> list[torch.Tensor]:
     """Linear layers sharing one input, with an optional RMSNorm or SwiGLU prologue and a residual.
 
     Args:
@@ -107,8 +122,12 @@ def gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight: Optional
         norm_weight: [K]: the input is ``RMSNorm(x) · norm_weight`` (``eps`` inside the rsqrt).
         up: x's shape: the input is ``silu(x) · up``. Exclusive with ``norm_weight``.
         residual: [..., N] with one weight: returns ``residual + y``.
-    Returns a list of [..., N_i] in x's dtype.  No host synchronisation (CUDA-graph safe);
-    deterministic.
+        fp32_outputs: the first this many outputs are the fp32 sums, not rounded to x's dtype (a
+            router's logits).
+        return_input: also return the prologue's output (x's shape and dtype: e.g. the normalised
+            input that the experts after a router read), after the outputs.
+    Returns a list of [..., N_i] in x's dtype (fp32 for the first ``fp32_outputs``), then the
+    prologue's output if asked.  No host synchronisation (CUDA-graph safe); deterministic.
     """
     lead = x.shape[:-1]
     K = x.shape[-1]
@@ -116,8 +135,8 @@ def gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight: Optional
     up2 = up.reshape(-1, K).contiguous() if up is not None else None
     res2 = residual.reshape(-1, residual.shape[-1]).contiguous() if residual is not None else None
     weights = list(weights)
-    _check(x2, weights, norm_weight, eps, up2, res2)
-    outs = torch.ops.kdtree.gemv(x2, weights, norm_weight, eps, up2, res2)
+    _check(x2, weights, norm_weight, eps, up2, res2, fp32_outputs, return_input)
+    outs = torch.ops.kdtree.gemv(x2, weights, norm_weight, eps, up2, res2, fp32_outputs, return_input)
     return [o.view(*lead, o.shape[-1]) for o in outs]
 
 
@@ -125,8 +144,12 @@ torch.library.register_kernel("kdtree::gemv", "cpu", gemv_reference)
 
 
 @torch.library.register_fake("kdtree::gemv")
-def _(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None):
-    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+def _(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None, fp32_outputs=0, return_input=False):
+    outs = [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if i < fp32_outputs else x.dtype)
+            for i, w in enumerate(weights)]
+    if return_input:
+        outs.append(torch.empty_like(x))
+    return outs
 
 
 __all__ = ["gemv", "gemv_reference", "MAX_WEIGHTS", "MAX_K"]
