@@ -479,6 +479,42 @@ mla_tree_attention_kernel(const Params p) {
 #endif
 }
 
+// The split weights of one row, shared by the combine and merge-output kernels so that both merge
+// with the same bits: wts[s] = 2^(lse_s − m) for the row's splits (lse_s at lse_part[base + s·M]),
+// 0 for an empty split (its O was never written), m = the block's max of the lse_s (returned; every
+// thread gets it).  The block's 8 warps (kCombineWarps = kOutWarps) each reduce their maxima, then
+// the warps' maxima are combined in warp order.  Ends with a barrier: wts is complete for every thread.
+__device__ __forceinline__ float split_weights(const float* __restrict__ lse_part, int64_t base, int M, int splits,
+                                               float* wts, float (&red)[kCombineWarps]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
+    const float ls = lse_part[base + int64_t(s) * M];
+    wts[s] = ls;
+    m = fmaxf(m, ls);
+  }
+  m = warp_max(m);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) m = fmaxf(m, red[w]);
+  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
+    const float ls = wts[s];
+    wts[s] = (ls == -INFINITY || m == -INFINITY) ? 0.f : exp2f(ls - m);
+  }
+  __syncthreads();
+  return m;
+}
+
+// Σ_s wts[s] in a fixed order, for one warp: lane sums s ≡ lane (mod 32) in increasing s, then the
+// xor tree (every lane gets the sum).
+__device__ __forceinline__ float split_weight_sum(const float* wts, int splits, int lane) {
+  float wsum = 0.f;
+  for (int s = lane; s < splits; s += 32) wsum += wts[s];
+  return warp_sum(wsum);
+}
+
 // Grid (request·row, kDV / kCombineDims): block (rr, c) merges dims [c·128, c·128 + 128) of row rr,
 // out = Σ_s 2^(lse_s − m) O_s / Σ_s 2^(lse_s − m).  The split weights are computed once into shared
 // memory (no load waits on another inside the sum); warp w then sums the splits s ≡ w (mod
@@ -499,24 +535,7 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
   if (rr >= R * M) return;
   const int r = rr / M, row = rr - r * M;
   const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
-  // block max of the split LSEs
-  float m = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
-    const float ls = lse_part[base + int64_t(s) * M];
-    wts[s] = ls;
-    m = fmaxf(m, ls);
-  }
-  m = warp_max(m);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) m = fmaxf(m, red[w]);
-  for (int s = threadIdx.x; s < splits; s += kCombineWarps * 32) {
-    const float ls = wts[s];
-    wts[s] = (ls == -INFINITY || m == -INFINITY) ? 0.f : exp2f(ls - m);  // an empty split's O was never written
-  }
-  __syncthreads();
+  const float m = split_weights(lse_part, base, M, splits, wts, red);
   const int dim4 = blockIdx.y * (kCombineDims / 4) + lane;  // this lane's float4 of the row
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll kCombineUnroll
@@ -539,10 +558,7 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
     acc.z += v.z;
     acc.w += v.w;
   }
-  // Σ_s w_s in a fixed order: lane sums s ≡ lane (mod 32) in increasing s, then a fixed xor tree
-  float wsum = 0.f;
-  for (int s = lane; s < splits; s += 32) wsum += wts[s];
-  wsum = warp_sum(wsum);
+  const float wsum = split_weight_sum(wts, splits, lane);
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   reinterpret_cast<uint2*>(out + (int64_t(r) * M + row) * kDV)[dim4] =
       make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
@@ -563,6 +579,7 @@ constexpr int kOutWarps = 8;
 constexpr int kOutRowsPerWarp = 4;
 constexpr int kOutRows = kOutWarps * kOutRowsPerWarp;  // W_UV rows per block
 constexpr int kOutGroups = kDV / 256;                  // 16-byte pieces per lane of a W_UV row
+static_assert(kOutWarps == kCombineWarps, "split_weights: the combine and merge-output blocks have the same warps");
 
 __global__ void __launch_bounds__(kOutWarps * 32)
 mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
@@ -593,23 +610,7 @@ mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restric
           reinterpret_cast<const uint4*>(o_lat + (int64_t(r) * M + row) * kDV)[threadIdx.x];
   } else {
     const int64_t base = int64_t(r) * splits * M + row;  // split s at base + s * M
-    float m = -INFINITY;
-    for (int s = threadIdx.x; s < splits; s += kOutWarps * 32) {
-      const float ls = lse_part[base + int64_t(s) * M];
-      wts[s] = ls;
-      m = fmaxf(m, ls);
-    }
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-#pragma unroll
-    for (int v = 1; v < kOutWarps; ++v) m = fmaxf(m, red[v]);
-    for (int s = threadIdx.x; s < splits; s += kOutWarps * 32) {
-      const float ls = wts[s];
-      wts[s] = (ls == -INFINITY || m == -INFINITY) ? 0.f : exp2f(ls - m);
-    }
-    __syncthreads();
+    split_weights(lse_part, base, M, splits, wts, red);
     float4 acc[kDV / 128];
 #pragma unroll
     for (int c = 0; c < kDV / 128; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -633,10 +634,8 @@ mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restric
 #pragma unroll
       for (int c = 0; c < kDV / 128; ++c) part[warp - 1][32 * c + lane] = acc[c];
     }
-    if (warp == 0) {  // Σ_s w_s as the combine sums it: lane-strided, then the xor tree
-      float wsum = 0.f;
-      for (int s = lane; s < splits; s += 32) wsum += wts[s];
-      wsum = warp_sum(wsum);
+    if (warp == 0) {  // Σ_s w_s as the combine sums it
+      const float wsum = split_weight_sum(wts, splits, lane);
       if (lane == 0) s_inv = wsum > 0.f ? 1.f / wsum : 0.f;
     }
     __syncthreads();
