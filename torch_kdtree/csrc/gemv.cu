@@ -461,6 +461,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t nw = int64_t(weights.size());
   KD_CHECK(nw >= 1 && nw <= kMaxWeights, op, ": takes 1 to ", kMaxWeights, " weights, got ", nw);
+  KD_CHECK(fp32_outputs >= 0 && fp32_outputs <= nw, op, ": fp32_outputs must be in [0, ", nw, "], got ", fp32_outputs);
   KD_CHECK(K >= 8 && K % 8 == 0, op, ": K must be a positive multiple of 8, got ", K);
   const int64_t rows_per_block = std::min<int64_t>({int64_t(kMaxRows), std::max<int64_t>(M, 1),
                                                     int64_t(kSmemLimit) / (K * 2)});
@@ -500,7 +501,6 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
                        int(rows_total), int(fp32)};
     rows_total += w.size(0);
   }
-  KD_CHECK(fp32_outputs >= 0 && fp32_outputs <= nw, op, ": fp32_outputs must be in [0, ", nw, "], got ", fp32_outputs);
   if (return_input) {
     outs.push_back(at::empty({M, K}, x.options()));
     p.x_out = reinterpret_cast<__nv_bfloat16*>(outs.back().data_ptr());
