@@ -1,14 +1,18 @@
-"""kdtree::moe_gemv (bf16 routed experts for decode-sized batches): the CPU reference against an
-independent float64 oracle, bad inputs, opcheck and torch.compile; on CUDA the kernel against
-the reference on fresh random weights and routings every run, determinism, CUDA graphs."""
+"""kdtree::moe_gemv (bf16 routed experts for decode-sized batches) and kdtree::moe_route_gemv (the
+same after moe_route's choice from the router's logits): the CPU references against independent
+oracles, bad inputs, opcheck and torch.compile; on CUDA the kernels against the references on fresh
+random weights and routings every run, moe_route_gemv bit for bit against moe_route + moe_gemv,
+determinism, CUDA graphs."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from .conftest import requires_cuda_kernel
-from torch_kdtree.ops import moe_gemv, moe_gemv_reference, value_checks
+from torch_kdtree.ops import (moe_gemv, moe_gemv_reference, moe_route, moe_route_gemv, moe_route_gemv_reference,
+                              value_checks)
 
 requires_kernel = requires_cuda_kernel("kdtree::moe_gemv")
+requires_route_kernel = requires_cuda_kernel("kdtree::moe_route_gemv")
 
 
 def make_experts(gen, E, H, I, dtype=torch.bfloat16, device="cpu"):
@@ -379,3 +383,183 @@ def test_cuda_graph_replays_with_new_routings(fresh_seed):
         torch.cuda.synchronize()
         want = moe_gemv_reference(*(a.cpu() for a in (x, gate, up, down, ids, w)))
         assert rel_err(out, want) < 8e-3
+
+
+# --------------------------------------------------------------------------------------------
+# kdtree::moe_route_gemv: moe_route's choice from the router's logits, then moe_gemv
+# --------------------------------------------------------------------------------------------
+
+def make_router(gen, T, E, device="cpu"):
+    """fp32 router logits [T, E] and a correction bias [E] (selection only)."""
+    return (torch.randn((T, E), generator=gen, device=device) * 2,
+            torch.randn((E,), generator=gen, device=device) * 0.1)
+
+
+ROUTE_CASES = [  # T, k, E, H, I, n_group, topk_group, renormalize, scaling
+    (1, 8, 64, 64, 32, 1, 1, True, 2.827),
+    (3, 4, 16, 40, 24, 4, 2, False, 1.0),   # group-limited
+    (2, 6, 6, 32, 16, 1, 1, True, 1.0),     # every expert chosen
+]
+
+
+@pytest.mark.parametrize("T,k,E,H,I,n_group,topk_group,renorm,scaling", ROUTE_CASES)
+def test_route_gemv_reference_matches_oracles(fresh_seed, T, k, E, H, I, n_group, topk_group, renorm, scaling):
+    """The reference against moe_route's python-float oracle for the choice and the float64
+    oracle above for the experts (fp32 weights; with the shared expert and a residual)."""
+    from .test_moe_route import oracle as route_oracle
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    gate, up, down = make_experts(gen, E, H, I, torch.float32)
+    shared = make_shared(gen, H, 16, torch.float32)
+    x = torch.randn((T, H), generator=gen)
+    res = torch.randn((T, H), generator=gen)
+    logits, bias = make_router(gen, T, E)
+    out, ids, w = moe_route_gemv_reference(x, gate, up, down, logits, bias, k, n_group, topk_group, renorm, scaling,
+                                           *shared, residual=res)
+    want_ids, want_w = route_oracle(logits, bias, k, n_group, topk_group, renorm, scaling)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and out.shape == (T, H)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w.double(), want_w, rtol=1e-6, atol=1e-7)
+    want = oracle(x, gate, up, down, want_ids, want_w, *shared) + res.double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def routed(small):
+    x, gate, up, down, _, _ = small
+    logits, bias = make_router(torch.Generator().manual_seed(3), 2, 4)
+    return x, gate, up, down, logits, bias
+
+
+def test_route_gemv_bad_inputs_raise(routed):
+    x, gate, up, down, logits, bias = routed
+    with pytest.raises(TypeError, match="router_logits must be torch.float32"):
+        moe_route_gemv(x, gate, up, down, logits.to(torch.bfloat16), bias, 2)
+    with pytest.raises(ValueError, match=r"router_logits must be \[T, E\] = \(2, 4\)"):
+        moe_route_gemv(x, gate, up, down, logits[:, :3].contiguous(), bias[:3].contiguous(), 2)
+    with pytest.raises(ValueError, match=r"bias must be \[E = 4\]"):
+        moe_route_gemv(x, gate, up, down, logits, bias[:3].contiguous(), 2)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        moe_route_gemv(x, gate, up, down, logits, bias, 5)
+    with pytest.raises(ValueError, match="n_group must divide E"):
+        moe_route_gemv(x, gate, up, down, logits, bias, 2, n_group=3)
+    with pytest.raises(TypeError, match="down_proj must be torch.bfloat16"):
+        moe_route_gemv(x, gate, up, down.float(), logits, bias, 2)
+    with pytest.raises(ValueError, match=r"residual must be \[T, H\]"):
+        moe_route_gemv(x, gate, up, down, logits, bias, 2, residual=x[:1].contiguous())
+    sg, su, sd = make_shared(torch.Generator().manual_seed(1), 32, 16)
+    with pytest.raises(ValueError, match="come together"):
+        moe_route_gemv(x, gate, up, down, logits, bias, 2, shared_gate=sg, shared_up=su)
+    big = torch.zeros((300, 16, 32), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 256 experts"):
+        moe_route_gemv(x, big, big, torch.zeros((300, 32, 16), dtype=torch.bfloat16), torch.zeros((2, 300)),
+                       torch.zeros(300), 2)
+    wide = torch.zeros((32, 16, 32), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"top-k must be in \[1, 16\]"):
+        moe_route_gemv(x, wide, wide, torch.zeros((32, 32, 16), dtype=torch.bfloat16), torch.zeros((2, 32)),
+                       torch.zeros(32), 17)
+
+
+def test_route_gemv_opcheck_and_compile_cpu(routed):
+    x, gate, up, down, logits, bias = routed
+    shared = make_shared(torch.Generator().manual_seed(2), 32, 16)
+    torch.library.opcheck(torch.ops.kdtree.moe_route_gemv.default, (x, gate, up, down, logits, bias, 2))
+    torch.library.opcheck(torch.ops.kdtree.moe_route_gemv.default,
+                          (x, gate, up, down, logits, bias, 2, 2, 1, False, 1.5, *shared, x * 3))
+    torch._dynamo.reset()
+
+    def step(x, logits):
+        out, ids, w = moe_route_gemv(x, gate, up, down, logits, bias, 2, scaling=2.5)
+        return out.float() * 2, ids, w
+
+    got = torch.compile(step, fullgraph=True)(x, logits)
+    want = moe_route_gemv_reference(x, gate, up, down, logits, bias, 2, scaling=2.5)
+    assert torch.equal(got[0], want[0].float() * 2) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def route_cuda_case(seed, T, k, E, H, I, Is):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gate, up, down = make_experts(gen, E, H, I, device="cuda")
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    logits, bias = make_router(gen, T, E, device="cuda")
+    shared = make_shared(gen, H, Is, device="cuda") if Is else (None, None, None)
+    return x, gate, up, down, logits, bias, shared
+
+
+@requires_route_kernel
+@pytest.mark.parametrize("T,k,E,H,I,Is,n_group,topk_group,renorm,scaling", [
+    (1, 8, 64, 2048, 512, 512, 1, 1, True, 2.827),   # the 2p2b decode step
+    (4, 8, 64, 2048, 512, 512, 1, 1, True, 2.827),   # four requests
+    (3, 8, 256, 256, 64, 0, 8, 4, True, 2.5),        # E = 256 (a thread per expert), group-limited
+    (2, 6, 10, 136, 24, 1040, 1, 1, False, 1.0),     # odd sizes, Is past the up-front chunks
+    (17, 8, 48, 512, 128, 128, 1, 1, True, 1.0),     # a tree-verify-sized batch
+])
+def test_cuda_route_gemv_equals_moe_route_then_moe_gemv(fresh_seed, T, k, E, H, I, Is, n_group, topk_group, renorm,
+                                                        scaling):
+    """Bit for bit the two ops' results (the same kernels' arithmetic, the choice made inside), and
+    close to the CPU reference; with and without the residual."""
+    x, gate, up, down, logits, bias, shared = route_cuda_case(fresh_seed, T, k, E, H, I, Is)
+    route = (k, n_group, topk_group, renorm, scaling)
+    ids, w = moe_route(logits, bias, *route)
+    res = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    for r in (None, res):
+        got, got_ids, got_w = moe_route_gemv(x, gate, up, down, logits, bias, *route, *shared, residual=r)
+        assert torch.equal(got_ids, ids) and torch.equal(got_w, w)
+        assert torch.equal(got, moe_gemv(x, gate, up, down, ids, w, *shared, residual=r))
+        cpu = [a.cpu() if a is not None else None for a in (x, gate, up, down, logits, bias, *shared, r)]
+        want, want_ids, _ = moe_route_gemv_reference(*cpu[:6], *route, *cpu[6:9], residual=cpu[9])
+        assert torch.equal(got_ids.cpu(), want_ids)
+        assert rel_err(got, want) < 8e-3
+
+
+@requires_route_kernel
+def test_cuda_route_gemv_ties_prewait_and_determinism(fresh_seed, monkeypatch):
+    """Integer logits (exact ties, broken by expert id) give moe_route's choice; the pre-wait
+    loads (KDTREE_PREWAIT) and repeated calls give the same bits."""
+    x, gate, up, down, _, bias, shared = route_cuda_case(fresh_seed, 3, 8, 64, 512, 128, 128)
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed + 1)
+    logits = torch.randint(-2, 3, (3, 64), generator=gen, device="cuda").float()
+    bias = torch.zeros_like(bias)
+    got = moe_route_gemv(x, gate, up, down, logits, bias, 8, 1, 1, True, 2.0, *shared)
+    ids, w = moe_route(logits, bias, 8, 1, 1, True, 2.0)
+    assert torch.equal(got[1], ids) and torch.equal(got[2], w)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(moe_route_gemv(x, gate, up, down, logits, bias, 8, 1, 1, True,
+                                                                    2.0, *shared), got))
+    monkeypatch.setenv("KDTREE_PREWAIT", "0")
+    assert torch.equal(moe_route_gemv(x, gate, up, down, logits, bias, 8, 1, 1, True, 2.0, *shared)[0], got[0])
+
+
+@requires_route_kernel
+def test_cuda_route_gemv_opcheck_compile_and_graph(fresh_seed):
+    x, gate, up, down, logits, bias, shared = route_cuda_case(fresh_seed, 2, 8, 64, 256, 64, 64)
+    torch.library.opcheck(torch.ops.kdtree.moe_route_gemv.default, (x, gate, up, down, logits, bias, 8))
+    torch.library.opcheck(torch.ops.kdtree.moe_route_gemv.default,
+                          (x, gate, up, down, logits, bias, 8, 1, 1, True, 2.0, *shared, x * 2))
+    torch._dynamo.reset()
+
+    def step(x, logits):
+        out, ids, w = moe_route_gemv(x, gate, up, down, logits, bias, 8, scaling=2.0)
+        return out + x, ids, w
+
+    got = torch.compile(step, fullgraph=True)(x, logits)
+    want = moe_route_gemv(x, gate, up, down, logits, bias, 8, scaling=2.0)
+    assert torch.equal(got[0], want[0] + x) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    # a CUDA graph replayed with new logits and inputs chooses again on the device
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_route_gemv(x, gate, up, down, logits, bias, 8, scaling=2.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_route_gemv(x, gate, up, down, logits, bias, 8, scaling=2.0)
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed + 2)
+    for _ in range(3):
+        logits.copy_(torch.randn(logits.shape, generator=gen, device="cuda") * 2)
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = moe_route_gemv(x, gate, up, down, logits, bias, 8, scaling=2.0)
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+        assert torch.equal(out[1], moe_route(logits, bias, 8, scaling=2.0)[0])
