@@ -3,10 +3,6 @@ bandwidth and the two torch paths it replaces, in the same run.
 
 Run: pytest bench/bench_moe_gemv.py --benchmark-only -s       (one `op=moe_gemv` line per point)
 
-kdtree::moe_route_gemv (the router's choice made inside the same two launches, from fp32 logits):
-`op=moe_route_gemv` lines, "2p2b" shape (E = 64 <= 256), against moe_route + moe_gemv (three
-launches) in the same run and the same cycling.
-
 Shapes: "2p2b" (the issue's config (a): E = 64, H = 2048, I = 512, k = 8) and "k2_tp8" (K2's
 hidden size with a TP-8 expert slice, bf16: E = 384, H = 7168, I = 256, k = 8); T in {1, 2, 4}.
 Times are per call inside a CUDA graph of 16 calls (bench/conftest.py); consecutive calls cycle
@@ -22,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_kdtree.ops import moe_gemv, moe_route, moe_route_gemv
+from torch_kdtree.ops import moe_gemv
 
 from .conftest import cuda_time_us, hbm_read_gbs, record, requires_cuda
 
@@ -104,35 +100,3 @@ def test_moe_gemv(benchmark, shape, T):
     record(benchmark, op="moe_gemv", shape=shape, T=T, k=k, us=us, MB=nbytes / 1e6, gbs=gbs, read_gbs=read,
            ratio_to_read_bw=gbs / read, rowsum_us=rowsum_us, speedup_vs_rowsum=rowsum_us / us,
            grouped_us=grouped_us, speedup_vs_grouped=grouped_us / us, rel_err_vs_rowsum=err)
-
-
-@requires_cuda
-@pytest.mark.parametrize("T", [1, 4])
-def test_moe_route_gemv(benchmark, T):
-    E, H, I, k = (SHAPES["2p2b"][n] for n in ("E", "H", "I", "k"))
-    layers = [tuple((torch.randn(s, device="cuda") / s[-1] ** 0.5).to(torch.bfloat16)
-                    for s in ((E, I, H), (E, I, H), (E, H, I), (I, H), (I, H), (H, I))) for _ in range(LAYERS)]
-    bias = torch.randn(E, device="cuda") * 0.1
-    calls = []
-    for n in range(ROUTINGS):
-        logits = torch.randn((T, E), device="cuda") * 2
-        x = torch.randn((T, H), device="cuda").to(torch.bfloat16)
-        calls.append((x, logits, layers[n % LAYERS]))
-
-    def fused(x, logits, w):
-        return moe_route_gemv(x, *w[:3], logits, bias, k, 1, 1, True, 2.5, *w[3:])[0]
-
-    def two_ops(x, logits, w):
-        ids, weights = moe_route(logits, bias, k, 1, 1, True, 2.5)
-        return moe_gemv(x, *w[:3], ids, weights, *w[3:])
-
-    us = cuda_time_us(_cycle(fused, calls), calls_per_graph=2 * ROUTINGS)
-    two_us = cuda_time_us(_cycle(two_ops, calls), calls_per_graph=2 * ROUTINGS)
-    assert torch.equal(fused(*calls[0]), two_ops(*calls[0]))
-    ids = [moe_route(c[1], bias, k)[0] for c in calls]
-    nbytes = sum(len(torch.unique(i)) + 1 for i in ids) / len(ids) * 3 * H * I * 2  # + the shared expert
-    read = hbm_read_gbs()
-    gbs = nbytes / (us * 1e-6) / 1e9
-    benchmark.pedantic(lambda: fused(*calls[0]), rounds=5, iterations=1)
-    record(benchmark, op="moe_route_gemv", shape="2p2b+shared", T=T, k=k, us=us, MB=nbytes / 1e6, gbs=gbs,
-           read_gbs=read, ratio_to_read_bw=gbs / read, route_then_moe_gemv_us=two_us, speedup=two_us / us)

@@ -8,15 +8,12 @@ outside by replacing or sharding the weights.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kdtree.ops import (Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_route_gemv,
-                              moe_router)
-from torch_kdtree.ops.moe_gemv import MAX_ROUTE_EXPERTS as _ROUTE_GEMV_MAX_E, MAX_TOPK as _MOE_GEMV_MAX_K
+from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_router
 from torch_kdtree.ops.moe_router import MAX_HIDDEN as _ROUTER_MAX_H
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
@@ -41,7 +38,6 @@ _MOE_GEMV_SLOTS = 32
 _HAS_MOE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA")
 _HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")
 _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_router", "CUDA")
-_HAS_MOE_ROUTE_GEMV_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route_gemv", "CUDA")
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
@@ -57,18 +53,6 @@ _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 # in the same launch, went 0.3850 -> 0.3925, so INT4 blocks keep inductor's norm + router + shared
 # kernels.  KDTREE_ROUTER_GEMV=0 turns it off (read at import).
 _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
-# KDTREE_ROUTE_IN_MOE_GEMV=1 (read at import), with the router gemv above: the choice made inside
-# moe_gemv's two launches (kdtree::moe_route_gemv, E <= 256) instead of a kdtree::moe_route launch
-# between the router and the experts.  Off: slower on the H200 (RESULTS.md run 67: 2p2b 0.6342 ->
-# 0.6609 ms per step; every block of both launches runs route_select, ~2-4 us on their critical
-# path, more than the launch it saves).
-_ROUTE_IN_MOE_GEMV = os.environ.get("KDTREE_ROUTE_IN_MOE_GEMV", "0") == "1"
-
-
-class RouterLogits(NamedTuple):
-    """A MoE block's routing handed over as the router's fp32 logits [T, E]: the experts' kernel
-    (kdtree::moe_route_gemv) makes the choice itself."""
-    logits: torch.Tensor
 
 
 class KimiK2MLP(nn.Module):
@@ -398,45 +382,25 @@ class KimiK2MoE(nn.Module):
         return in_moe_gemv and (self.shared_experts is None or self._shared_fits(in_moe_gemv))
 
     def route_gemv(self, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``(norm(h), routing)`` from one ``kdtree::gemv`` launch (the norm as its prologue, returned;
-        the router's fp32 logits): routing = ``RouterLogits(logits)`` where :meth:`_route_in_moe_gemv`
-        (the choice then happens inside :meth:`forward`'s kdtree::moe_route_gemv), else
-        ``(topk_ids, topk_weights)`` from one ``kdtree::moe_route``."""
+        """``(norm(h), (topk_ids, topk_weights))`` from one ``kdtree::gemv`` launch (the norm as its
+        prologue, returned; the router's fp32 logits) and one ``kdtree::moe_route``."""
         gate = self.gate
         logits, x = fused_gemv(h.reshape(-1, h.shape[-1]), [gate.weight], norm.weight, norm.eps, fp32_outputs=1,
                                return_input=True)
-        if self._route_in_moe_gemv():
-            return x.view(h.shape), RouterLogits(logits)
         return x.view(h.shape), gate.route(logits)
-
-    def _route_in_moe_gemv(self) -> bool:
-        """After :meth:`route_gemv`'s checks: kdtree::moe_route_gemv (its CUDA kernel built) makes the
-        choice inside the experts' launches -- at most 256 experts and top-k 16."""
-        gate = self.gate
-        return (_ROUTE_IN_MOE_GEMV and _HAS_MOE_ROUTE_GEMV_CUDA and gate.weight.shape[0] <= _ROUTE_GEMV_MAX_E
-                and gate.top_k <= _MOE_GEMV_MAX_K)
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
-        caller has chosen the experts (:meth:`route_fused`, :meth:`route_gemv`), or the router's
-        logits (:class:`RouterLogits`, from :meth:`route_gemv`: kdtree::moe_route_gemv chooses), else
-        the router runs here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
+        caller has chosen the experts (:meth:`route_fused`, :meth:`route_gemv`), else the router runs
+        here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
         ``residual + MoE(x)``, the add inside kdtree::moe_gemv's down kernel when that computes the
         block."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
-        shared = self.shared_experts
-        if isinstance(routing, RouterLogits):  # from route_gemv: experts (and shared expert) in moe_gemv
-            gate, e = self.gate, self.experts
-            sw = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared is not None \
-                else (None, None, None)
-            y, _, _ = moe_route_gemv(x, e.gate_proj, e.up_proj, e.down_proj, routing.logits,
-                                     gate.e_score_correction_bias.float(), gate.top_k, gate.n_group, gate.topk_group,
-                                     bool(gate.norm_topk_prob), float(gate.routed_scaling_factor), *sw, res)
-            return y.view(shape)
         topk_ids, topk_weights = self.gate(x) if routing is None else routing
+        shared = self.shared_experts
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches
             e = self.experts
@@ -474,4 +438,4 @@ class KimiK2MoE(nn.Module):
                 and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 
 
-__all__ = ["KimiK2MLP", "KimiK2Router", "KimiK2Experts", "KimiK2MoE", "RouterLogits"]
+__all__ = ["KimiK2MLP", "KimiK2Router", "KimiK2Experts", "KimiK2MoE"]

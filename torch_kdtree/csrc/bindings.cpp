@@ -72,12 +72,6 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("moe_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor topk_ids,"
         " Tensor topk_weights, Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None,"
         " Tensor? residual=None) -> Tensor");
-  // The same after moe_route's choice from the router's fp32 logits [T, E], made inside the two
-  // launches (E <= 256 on CUDA); also returns the choice.
-  m.def("moe_route_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor router_logits,"
-        " Tensor bias, int top_k, int n_group=1, int topk_group=1, bool renormalize=True, float scaling=1.0,"
-        " Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None, Tensor? residual=None)"
-        " -> (Tensor out, Tensor topk_ids, Tensor topk_weights)");
 
   // noaux_tc expert selection from router logits [T, E] (fp32): sigmoid scores, + bias to choose
   // (optionally group-limited), top_k largest first (ties: lower id), weights = scores of the chosen

@@ -1,5 +1,5 @@
-// kdtree::moe_gemv and kdtree::moe_route_gemv: routed experts with bf16 weights for decode-sized
-// token counts (semantics, rounding points and the references: torch_kdtree/ops/moe_gemv.py).
+// kdtree::moe_gemv: routed experts with bf16 weights for decode-sized token counts (semantics,
+// rounding points and the reference: torch_kdtree/ops/moe_gemv.py).
 //
 // A handful of tokens touch k experts each, so the work is reading those experts' weights once:
 // a GEMV per (token, slot), bound by HBM.  Two launches, both with shapes from static sizes only
@@ -17,21 +17,12 @@
 // first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's
 // row into registers (coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without
 // "moe_gemv" issues them after the wait instead).
-// moe_route_gemv takes the router's fp32 logits instead of topk_ids / topk_weights and makes the
-// choice inside both launches with kdtree::moe_route's code (route_select.cuh, one thread per
-// expert, so E <= 256): gate/up's blocks of routed slots after their wait (block (0, t·k) also
-// writes the choice out), down's blocks before theirs (the logits are two kernels back).  So the
-// same ids, weights and output bits as moe_route then moe_gemv, one launch fewer.  On the H200 that
-// was slower, not faster (RESULTS.md run 67, 2p2b decode): route_select takes ~2-4 us in every block
-// of both launches, on their critical path, more than the launch it saves; a cheaper in-block choice
-// (one warp for E <= 64, say) would be the next step.
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
 #include "check.h"
 #include "pdl.cuh"
-#include "route_select.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -44,7 +35,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
-#include <tuple>
 
 namespace kdtree {
 namespace {
@@ -55,30 +45,6 @@ constexpr int kMaxTopk = 16;
 constexpr int kSlotBatch = 4;  // down: slots whose rows a warp streams together
 constexpr int kSharedBatch = 2;  // down: 16-byte chunks per lane of the shared expert's row loaded up front
 constexpr int kEarlyChunks = 1;  // down: 16-byte chunks per lane of the first slots' rows loaded up front
-constexpr int kRouteExperts = kThreads;  // moe_route_gemv: route_select's thread per expert
-
-// moe_route_gemv: the choice made inside both kernels from the router's fp32 logits (route_select,
-// the code of kdtree::moe_route, so the same ids and weights), instead of topk_ids / topk_weights.
-struct RouteArgs {
-  const float* logits = nullptr;  // [T, E]
-  const float* bias = nullptr;    // [E]
-  int n_group = 1, topk_group = 1;
-  bool renormalize = true;
-  float scaling = 1.f;
-  int32_t* ids_out = nullptr;     // [T, k]: written by gate/up's block (0, t·k)
-  float* weights_out = nullptr;   // [T, k]
-};
-
-// Token t's choice into shared memory (s_ids, s_w: k entries), by the whole block (kRouteExperts
-// threads, E <= kRouteExperts); the logits through L2 (written by an earlier kernel).  Ends with a
-// barrier.
-__device__ __forceinline__ void route_token(const RouteArgs& ra, int t, int E, int k, int32_t* s_ids, float* s_w,
-                                            RouteSmem& rs) {
-  const int e = threadIdx.x;
-  const float logit = e < E ? __ldcg(ra.logits + int64_t(t) * E + e) : 0.f;
-  route_select(logit, ra.bias, E, k, ra.n_group, ra.topk_group, ra.renormalize, ra.scaling, s_ids, s_w, rs);
-  __syncthreads();
-}
 
 // NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
 template <int NB, bool kSync>
@@ -106,14 +72,12 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 
 // Slots 0 .. T·k - 1 are the routed (token, slot) pairs; with a shared expert, slots T·k + t are
 // token t's shared expert (weights [Is, H], activations after the routed ones in act).
-// kRoute (moe_route_gemv): blocks of routed slots choose token t's experts themselves after the
-// wait, from ra.logits; block (0, t·k) also writes the choice out.
-template <bool kSync, bool kRoute>
+template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
                    int I, const __nv_bfloat16* __restrict__ shared_gate, const __nv_bfloat16* __restrict__ shared_up,
-                   int Is, int T, __nv_bfloat16* __restrict__ act, const RouteArgs ra) {
+                   int Is, int T, __nv_bfloat16* __restrict__ act) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int slot = blockIdx.y;
   const bool is_shared = slot >= T * k;
@@ -127,24 +91,8 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   }
   pdl_wait();
   pdl_launch_dependents();
-  int e = 0;
-  if constexpr (kRoute) {
-    __shared__ RouteSmem rs;
-    __shared__ int32_t s_ids[kMaxTopk];
-    __shared__ float s_w[kMaxTopk];
-    if (!is_shared) {  // block-uniform: every thread takes part in route_select's barriers
-      route_token(ra, t, E, k, s_ids, s_w, rs);
-      const int j = slot - t * k;
-      if (blockIdx.x == 0 && j == 0 && threadIdx.x < k) {
-        ra.ids_out[int64_t(t) * k + threadIdx.x] = s_ids[threadIdx.x];
-        ra.weights_out[int64_t(t) * k + threadIdx.x] = s_w[threadIdx.x];
-      }
-      e = s_ids[j];
-    }
-  } else {
-    if (!is_shared && i < rows) e = ids[slot];
-  }
   if (i >= rows) return;
+  const int e = is_shared ? 0 : ids[slot];
   float g = 0.f, u = 0.f;
   if (is_shared || (e >= 0 && e < E)) {
     const int chunks = H / 8;
@@ -166,25 +114,13 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   }
 }
 
-// kRoute (moe_route_gemv): each block chooses its token's experts itself before the wait, from
-// ra.logits (two kernels back, so complete: pdl.cuh), instead of reading ids / weights.
-template <bool kRoute>
 __global__ void __launch_bounds__(kThreads, 2)  // two blocks per SM: H / 8 blocks per token in one wave
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
                 const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
-                const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out, const RouteArgs ra) {
+                const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
-  // The token's choice: slot j's id and weight (shared memory with kRoute, else ids / weights).
-  __shared__ int32_t s_ids[kRoute ? kMaxTopk : 1];
-  __shared__ float s_w[kRoute ? kMaxTopk : 1];
-  if constexpr (kRoute) {
-    __shared__ RouteSmem rs;
-    route_token(ra, t, E, k, s_ids, s_w, rs);
-  }
-  auto slot_id = [&](int j) { return kRoute ? s_ids[j] : ids[t * k + j]; };
-  auto slot_weight = [&](int j) { return kRoute ? s_w[j] : weights[t * k + j]; };
   const int chunks = I / 8, schunks = Is / 8;
   // The first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows (w0) and of the
   // shared expert's row (sw): loaded before the wait when `early`, else right after it.
@@ -210,7 +146,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   if (h < H) {
     int es[kMaxTopk];  // all ids first: one L2 round trip
 #pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) es[j] = j >= k ? -1 : kRoute ? s_ids[j] : __ldcg(ids + t * k + j);
+    for (int j = 0; j < kMaxTopk; ++j) es[j] = j < k ? __ldcg(ids + t * k + j) : -1;
 #pragma unroll
     for (int j = 0; j < kMaxTopk; ++j)
       if (es[j] >= 0 && es[j] < E) l2_prefetch_range(down + (int64_t(es[j]) * H + h) * I, int64_t(I) * 2, lane);
@@ -243,9 +179,9 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 #pragma unroll
     for (int q = 0; q < kSlotBatch; ++q) {
       const int j = j0 + q, slot = t * k + j;
-      const int e = j < k ? slot_id(j) : -1;
+      const int e = j < k ? ids[slot] : -1;
       ok[q] = e >= 0 && e < E;
-      wj[q] = ok[q] ? slot_weight(j) : 0.f;
+      wj[q] = ok[q] ? weights[slot] : 0.f;
       wr[q] = reinterpret_cast<const uint4*>(down + (int64_t(ok[q] ? e : 0) * H + h) * I);
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
@@ -297,19 +233,18 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   }
 }
 
-// The checks both ops share (x, the experts, the shared expert, the residual; k from the routing)
-// and the two launches.  With ra.logits the kernels choose the experts (moe_route_gemv), else they
-// read topk_ids / topk_weights.
-at::Tensor launch_moe_gemv(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
-                           const at::Tensor& down, int64_t k, const int32_t* ids, const float* weights,
-                           const RouteArgs& ra, const std::optional<at::Tensor>& shared_gate,
-                           const std::optional<at::Tensor>& shared_up, const std::optional<at::Tensor>& shared_down,
-                           const std::optional<at::Tensor>& residual) {
+at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
+                         const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "kdtree::moe_gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
   check_cuda_tensor(up, op, "up_proj", at::kBFloat16, 3);
   check_cuda_tensor(down, op, "down_proj", at::kBFloat16, 3);
-  for (const at::Tensor* t : {&gate, &up, &down})
+  check_cuda_tensor(topk_ids, op, "topk_ids", at::kInt, 2);
+  check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
+  for (const at::Tensor* t : {&gate, &up, &down, &topk_ids, &topk_weights})
     KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
   const int64_t T = x.size(0), H = x.size(1), E = gate.size(0), I = gate.size(1);
   KD_CHECK(gate.size(2) == H && up.sizes() == gate.sizes(), op, ": gate_proj and up_proj must be [E, I, H = ", H,
@@ -318,6 +253,9 @@ at::Tensor launch_moe_gemv(const char* op, const at::Tensor& x, const at::Tensor
            ", ", H, ", ", I, "], got ", down.sizes());
   KD_CHECK(H % 8 == 0 && I % 8 == 0 && H > 0 && I > 0 && E > 0, op,
            ": H and I must be positive multiples of 8 and E >= 1, got H = ", H, ", I = ", I, ", E = ", E);
+  KD_CHECK(topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(), op, ": topk_ids ", topk_ids.sizes(),
+           " and topk_weights ", topk_weights.sizes(), " must both be [T = ", T, ", k]");
+  const int64_t k = topk_ids.size(1);
   KD_CHECK(k >= 1 && k <= kMaxTopk, op, ": top-k must be in [1, ", kMaxTopk, "], got ", k);
   KD_CHECK(T <= 65535 && T * k <= 65535 && E * I * H < (int64_t(1) << 40), op,
            ": at most 65535 tokens and token-slots, got T = ", T, ", k = ", k);
@@ -349,9 +287,6 @@ at::Tensor launch_moe_gemv(const char* op, const at::Tensor& x, const at::Tensor
     KD_CHECK(residual->size(0) == T && residual->size(1) == H && residual->device() == x.device(), op,
              ": residual must be [T, H] = [", T, ", ", H, "] on x's device, got ", residual->sizes());
   }
-  const bool route = ra.logits != nullptr;
-  if (route)
-    KD_CHECK(E <= kRouteExperts, op, ": at most ", kRouteExperts, " experts (one thread each), got E = ", E);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -363,79 +298,26 @@ at::Tensor launch_moe_gemv(const char* op, const at::Tensor& x, const at::Tensor
   const int64_t gu_rows = std::max(I, Is);
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
+  const int32_t* idp = topk_ids.data_ptr<int32_t>();
   const bool pdl = pdl_enabled("moe_gemv");
   // KDTREE_MOE_GEMV_SYNC=0: the gate/up kernel without its load barrier (A/B runs).
   const char* sync_env = std::getenv("KDTREE_MOE_GEMV_SYNC");
   const bool sync = sync_env == nullptr || std::strcmp(sync_env, "0") != 0;
-  const auto gate_up = route ? (sync ? moe_gate_up_kernel<true, true> : moe_gate_up_kernel<false, true>)
-                             : (sync ? moe_gate_up_kernel<true, false> : moe_gate_up_kernel<false, false>);
-  launch_kernel(gate_up, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
+  launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
-                reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), ids, int(k), int(E), int(H), int(I), sg, su,
-                int(Is), int(T), actp, ra);
-  launch_kernel(route ? moe_down_kernel<true> : moe_down_kernel<false>, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)),
-                dim3(kThreads), 0, stream, pdl, static_cast<const __nv_bfloat16*>(actp),
-                reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), ids, weights, int(k), int(E), int(H), int(I),
-                sdp, int(Is), int(T), prewait_enabled("moe_gemv"),
+                reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
+                int(Is), int(T), actp);
+  launch_kernel(moe_down_kernel, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), dim3(kThreads), 0, stream, pdl,
+                static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
+                topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
+                prewait_enabled("moe_gemv"),
                 residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr()) : nullptr,
-                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ra);
+                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
   return out;
-}
-
-at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                         const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
-                         const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual) {
-  constexpr const char* op = "kdtree::moe_gemv";
-  check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
-  check_cuda_tensor(topk_ids, op, "topk_ids", at::kInt, 2);
-  check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
-  for (const at::Tensor* t : {&topk_ids, &topk_weights})
-    KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
-  KD_CHECK(topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(), op, ": topk_ids ",
-           topk_ids.sizes(), " and topk_weights ", topk_weights.sizes(), " must both be [T = ", x.size(0), ", k]");
-  return launch_moe_gemv(op, x, gate, up, down, topk_ids.size(1), topk_ids.data_ptr<int32_t>(),
-                         topk_weights.data_ptr<float>(), RouteArgs{}, shared_gate, shared_up, shared_down, residual);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_gemv_cuda(
-    const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-    const at::Tensor& logits, const at::Tensor& bias, int64_t top_k, int64_t n_group, int64_t topk_group,
-    bool renormalize, double scaling, const std::optional<at::Tensor>& shared_gate,
-    const std::optional<at::Tensor>& shared_up, const std::optional<at::Tensor>& shared_down,
-    const std::optional<at::Tensor>& residual) {
-  constexpr const char* op = "kdtree::moe_route_gemv";
-  check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
-  check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
-  check_cuda_tensor(logits, op, "router_logits", at::kFloat, 2);
-  check_cuda_tensor(bias, op, "bias", at::kFloat, 1);
-  for (const at::Tensor* t : {&logits, &bias})
-    KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
-  const int64_t T = x.size(0), E = gate.size(0);
-  KD_CHECK(logits.size(0) == T && logits.size(1) == E && bias.size(0) == E, op, ": router_logits must be [T, E] = [",
-           T, ", ", E, "] and bias [E], got ", logits.sizes(), " and ", bias.sizes());
-  check_route_args(op, E, top_k, n_group, topk_group);
-  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
-  at::Tensor weights = at::empty({T, top_k}, logits.options());
-  RouteArgs ra;
-  ra.logits = logits.data_ptr<float>();
-  ra.bias = bias.data_ptr<float>();
-  ra.n_group = int(n_group);
-  ra.topk_group = int(topk_group);
-  ra.renormalize = renormalize;
-  ra.scaling = float(scaling);
-  ra.ids_out = ids.data_ptr<int32_t>();
-  ra.weights_out = weights.data_ptr<float>();
-  at::Tensor out = launch_moe_gemv(op, x, gate, up, down, top_k, nullptr, nullptr, ra, shared_gate, shared_up,
-                                   shared_down, residual);
-  return {out, ids, weights};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
-  m.impl("moe_gemv", &moe_gemv_cuda);
-  m.impl("moe_route_gemv", &moe_route_gemv_cuda);
-}
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) { m.impl("moe_gemv", &moe_gemv_cuda); }
 
 }  // namespace kdtree

@@ -18,7 +18,7 @@ from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_m
                   int4_unpack)
 
 # ---- bf16 MoE for decode-sized batches ----
-from .moe_gemv import moe_gemv, moe_gemv_reference, moe_route_gemv, moe_route_gemv_reference
+from .moe_gemv import moe_gemv, moe_gemv_reference
 
 # ---- decode-sized linear layers (fused RMSNorm / SwiGLU prologue, residual epilogue) ----
 from .gemv import gemv, gemv_reference

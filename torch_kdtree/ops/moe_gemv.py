@@ -17,11 +17,6 @@ Ids outside [0, E) contribute nothing (eager calls reject them first).
 The CUDA kernel (csrc/moe_gemv.cu) is a GEMV per (token, slot) that streams each touched
 expert's rows once: made for a few tokens (decode, T·k up to a few dozen); larger batches share
 experts and belong to a grouped GEMM.  The CPU kernel is :func:`moe_gemv_reference`.
-
-``kdtree::moe_route_gemv`` is ``kdtree::moe_route`` (the noaux_tc choice from the router's fp32
-logits) followed by ``kdtree::moe_gemv``, returning the output and the choice: on CUDA the choice
-is made inside moe_gemv's two launches (the same code as moe_route's kernel, so the same ids,
-weights and output bits as the two ops, one launch fewer); at most MAX_ROUTE_EXPERTS experts.
 """
 from __future__ import annotations
 
@@ -29,23 +24,23 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_routing, check_same_device, check_tensor, value_checks_active
-from .moe_route import _check as _check_route
-from .moe_route import moe_route_reference
 
 MAX_TOPK = 16
-MAX_ROUTE_EXPERTS = 256  # moe_route_gemv: the kernels' threads per block, one per expert
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_experts(x, gate_proj, up_proj, down_proj, op) -> tuple[int, int, int, int]:
-    """x and the routed experts' weights; returns (T, H, E, I)."""
+def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None,
+           shared_down=None, residual=None, op="moe_gemv") -> None:
     check_tensor(op, "x", x, _DTYPES, 2)
     for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         check_tensor(op, name, t, x.dtype, 3)
     if x.device.type != "cpu" and x.dtype != torch.bfloat16:
         raise TypeError(f"{op}: x and the expert weights must be torch.bfloat16 on {x.device.type} "
                         f"(other float dtypes are CPU-only), got {x.dtype}")
-    check_same_device(op, x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+    check_tensor(op, "topk_ids", topk_ids, torch.int32, 2)
+    check_tensor(op, "topk_weights", topk_weights, torch.float32, 2)
+    check_same_device(op, x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj, topk_ids=topk_ids,
+                      topk_weights=topk_weights)
     T, H = x.shape
     E, I = gate_proj.shape[:2]
     if tuple(gate_proj.shape) != (E, I, H) or tuple(up_proj.shape) != (E, I, H):
@@ -55,14 +50,11 @@ def _check_experts(x, gate_proj, up_proj, down_proj, op) -> tuple[int, int, int,
         raise ValueError(f"{op}: down_proj must be [E, H, I] = {(E, H, I)}, got {tuple(down_proj.shape)}")
     if E == 0 or I == 0 or H == 0 or H % 8 or I % 8:
         raise ValueError(f"{op}: needs E >= 1 experts and H, I positive multiples of 8, got E = {E}, H = {H}, I = {I}")
-    return T, H, E, I
-
-
-def _check_extras(x, k, shared_gate, shared_up, shared_down, residual, op) -> None:
-    """The token-slot limits for top-k = k, the shared expert and the residual."""
-    T, H = x.shape
+    k = check_routing(op, topk_ids, topk_weights, T, MAX_TOPK)
     if T > 65535 or T * k > 65535:
         raise ValueError(f"{op}: at most 65535 tokens and token-slots, got T = {T}, k = {k}")
+    if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
+        raise ValueError(f"{op}: topk_ids must be expert ids in [0, {E})")
     shared = (shared_gate, shared_up, shared_down)
     if any(t is not None for t in shared):
         if any(t is None for t in shared):
@@ -83,33 +75,6 @@ def _check_extras(x, k, shared_gate, shared_up, shared_down, residual, op) -> No
         check_same_device(op, x=x, residual=residual)
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
-
-
-def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None,
-           shared_down=None, residual=None, op="moe_gemv") -> None:
-    T, H, E, I = _check_experts(x, gate_proj, up_proj, down_proj, op)
-    check_tensor(op, "topk_ids", topk_ids, torch.int32, 2)
-    check_tensor(op, "topk_weights", topk_weights, torch.float32, 2)
-    check_same_device(op, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
-    k = check_routing(op, topk_ids, topk_weights, T, MAX_TOPK)
-    if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
-        raise ValueError(f"{op}: topk_ids must be expert ids in [0, {E})")
-    _check_extras(x, k, shared_gate, shared_up, shared_down, residual, op)
-
-
-def _check_route_gemv(x, gate_proj, up_proj, down_proj, router_logits, bias, top_k, n_group, topk_group,
-                      shared_gate, shared_up, shared_down, residual, op="moe_route_gemv") -> None:
-    T, H, E, I = _check_experts(x, gate_proj, up_proj, down_proj, op)
-    check_tensor(op, "router_logits", router_logits, torch.float32, 2)
-    check_same_device(op, x=x, router_logits=router_logits, bias=bias)
-    if tuple(router_logits.shape) != (T, E):
-        raise ValueError(f"{op}: router_logits must be [T, E] = {(T, E)}, got {tuple(router_logits.shape)}")
-    _check_route(router_logits, bias, top_k, n_group, topk_group, op=op)
-    if E > MAX_ROUTE_EXPERTS:
-        raise ValueError(f"{op}: at most {MAX_ROUTE_EXPERTS} experts, got E = {E} (use moe_route, then moe_gemv)")
-    if top_k > MAX_TOPK:
-        raise ValueError(f"{op}: top-k must be in [1, {MAX_TOPK}], got {top_k}")
-    _check_extras(x, top_k, shared_gate, shared_up, shared_down, residual, op)
 
 
 def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -178,55 +143,4 @@ def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None
     return x.new_empty(x.shape)
 
 
-def moe_route_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                             router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
-                             topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0,
-                             shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
-                             shared_down: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-torch reference (and CPU kernel) of ``kdtree::moe_route_gemv``: moe_route's reference,
-    then moe_gemv's."""
-    _check_route_gemv(x, gate_proj, up_proj, down_proj, router_logits, bias, top_k, n_group, topk_group, shared_gate,
-                      shared_up, shared_down, residual)
-    ids, weights = moe_route_reference(router_logits, bias, top_k, n_group, topk_group, renormalize, scaling)
-    out = moe_gemv_reference(x, gate_proj, up_proj, down_proj, ids, weights, shared_gate, shared_up, shared_down,
-                             residual)
-    return out, ids, weights
-
-
-def moe_route_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
-                   renormalize: bool = True, scaling: float = 1.0, shared_gate: torch.Tensor | None = None,
-                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`torch_kdtree.ops.moe_route` from the router's logits, then :func:`moe_gemv` with its
-    choice; on CUDA the choice happens inside moe_gemv's two launches (no third launch).
-
-    Args:
-        x, gate_proj, up_proj, down_proj, shared_*, residual: as :func:`moe_gemv`.
-        router_logits: float32 [T, E], E = gate_proj.shape[0] <= 256.  bias: float32 [E] (selection only).
-        top_k (<= 16), n_group, topk_group, renormalize, scaling: as :func:`torch_kdtree.ops.moe_route`.
-    Returns (out [T, H] in x's dtype, topk_ids int32 [T, top_k], topk_weights float32 [T, top_k]): the
-    same values, bit for bit on CUDA, as ``moe_gemv(x, ..., *moe_route(router_logits, bias, ...), ...)``.
-    No host synchronisation on CUDA (CUDA-graph safe); deterministic.
-    """
-    _check_route_gemv(x, gate_proj, up_proj, down_proj, router_logits, bias, top_k, n_group, topk_group, shared_gate,
-                      shared_up, shared_down, residual)
-    return torch.ops.kdtree.moe_route_gemv(x, gate_proj, up_proj, down_proj, router_logits, bias, top_k, n_group,
-                                           topk_group, renormalize, scaling, shared_gate, shared_up, shared_down,
-                                           residual)
-
-
-torch.library.register_kernel("kdtree::moe_route_gemv", "cpu", moe_route_gemv_reference)
-
-
-@torch.library.register_fake("kdtree::moe_route_gemv")
-def _(x, gate_proj, up_proj, down_proj, router_logits, bias, top_k, n_group=1, topk_group=1, renormalize=True,
-      scaling=1.0, shared_gate=None, shared_up=None, shared_down=None, residual=None):
-    T = x.shape[0]
-    return (x.new_empty(x.shape), router_logits.new_empty((T, top_k), dtype=torch.int32),
-            router_logits.new_empty((T, top_k)))
-
-
-__all__ = ["moe_gemv", "moe_gemv_reference", "moe_route_gemv", "moe_route_gemv_reference", "MAX_TOPK",
-           "MAX_ROUTE_EXPERTS"]
+__all__ = ["moe_gemv", "moe_gemv_reference", "MAX_TOPK"]
