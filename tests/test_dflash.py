@@ -562,6 +562,31 @@ def test_step_compiles_with_fullgraph_and_equals_eager(fresh_seed):
             assert torch.equal(model.context_lengths, eager_model.context_lengths)
 
 
+def test_compiled_step_writes_the_context_cache_in_place(fresh_seed):
+    """The compiled step (append_context, then a draft) writes the context cache with index_put_ on
+    the whole [L, R, S, Hkv, D] tensors: inductor's code holds no temporary copy of a layer's cache
+    (writes through a layer's view made it copy each layer's K and V out and back in every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = random_drafter(seed=fresh_seed)
+    model.bind_target(*make_target(fresh_seed))
+    f = model.config.num_taps * H
+    gen = torch.Generator().manual_seed(fresh_seed)
+    with torch.no_grad():
+        model.setup_cache(2, 40)
+        eager_model = copy.deepcopy(model)
+        taps = torch.randn(2, model.config.block_size, f, generator=gen)
+        args = (taps, torch.tensor([2, 3]), torch.tensor([1, 2]))
+        got, codes = run_and_get_code(torch.compile(_step, fullgraph=True), model, *args)
+        want = _step(eager_model, *args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.context_k, eager_model.context_k, rtol=1e-5, atol=1e-5)  # written in place
+    torch.testing.assert_close(model.context_v, eager_model.context_v, rtol=1e-5, atol=1e-5)
+    layer_buffer = "empty_strided_cpu(" + str(tuple(model.context_k.shape[1:]))
+    assert codes and not any(layer_buffer in code for code in codes)
+
+
 def _relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

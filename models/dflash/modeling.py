@@ -82,15 +82,19 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
         return _apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, cache_k, cache_v, rows, slots, key_mask):
-        """Block queries attend to every visible slot of the cache after the block's own K/V
-        are written at ``slots``.  cache_k/v [R, S, Hkv, D]; key_mask bool [R, 1, 1, S]."""
+    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask):
+        """Block queries attend to every visible slot of layer ``layer``'s cache after the block's
+        own K/V are written at ``slots``.  cache_k/v: every layer's [L, R, S, Hkv, D] (written with
+        one index_put_ on the whole tensor: under torch.compile a write through the layer's view
+        made inductor copy the layer's cache out and back in every step); key_mask bool [R, 1, 1, S]."""
         r, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(r, t, self.num_heads, self.head_dim))
         q = _apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        cache_k.index_put_((rows, slots), k)
-        cache_v.index_put_((rows, slots), v)
+        at = (torch.full_like(rows, layer), rows, slots)
+        cache_k.index_put_(at, k)
+        cache_v.index_put_(at, v)
+        cache_k, cache_v = cache_k[layer], cache_v[layer]
         # GQA without repeating K/V: the G query heads of one KV head become G*T query rows
         # (query head h reads KV head h // G); the mask depends on the key only, so it still fits.
         g = self.num_heads // self.num_kv_heads
@@ -124,8 +128,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = DFlashMLP(config, **factory)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, rows, slots, key_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, rows, slots, key_mask)
+    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, layer, rows, slots, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -309,8 +313,9 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
-            self.context_k[i].index_put_((rows, slot), k)
-            self.context_v[i].index_put_((rows, slot), v)
+            at = (torch.full_like(rows, i), rows, slot)  # the whole cache, not a layer's view (see DFlashAttention)
+            self.context_k.index_put_(at, k)
+            self.context_v.index_put_(at, v)
         self.context_lengths.copy_((self.context_lengths + counts).clamp(max=self.context_capacity))
 
     # ---- one draft call ----
@@ -344,7 +349,7 @@ class DFlashDraftModel(nn.Module):
         key_mask = visible[:, None, None, :]
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.context_k[i], self.context_v[i], rows, slot, key_mask)
+            x = layer(x, cos, sin, self.context_k, self.context_v, i, rows, slot, key_mask)
         hidden = self.norm(x[:, 1:])
         return hidden if return_hidden else self.compute_logits(hidden)
 
