@@ -669,7 +669,7 @@ def test_compiled_step_runs_as_cuda_graphs_without_skips(fresh_seed):
             # inductor fuses the bf16 arithmetic differently from eager: compare by relative norm
             # (a few of 1536 logits differed by up to 0.033 on the H200 with an elementwise 0.02).
             # bf16 rounding alone spreads it over ~0.7e-2 to 1.1e-2 between seeds (CPU, 8 seeds;
-            # the H200 gave 1.08e-2 at one seed, RESULTS run 71); a wrong computation is O(1).
+            # the H200 gave 1.08e-2 at one seed, RESULTS run 72); a wrong computation is O(1).
             rel = (got.float() - want.float()).norm() / want.float().norm()
             assert rel < 2e-2, f"step {i}: relative error {rel:.2e}"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
