@@ -581,7 +581,7 @@ def test_compiled_step_writes_the_context_cache_in_place(fresh_seed):
         got, codes = run_and_get_code(torch.compile(_step, fullgraph=True), model, *args)
         want = _step(eager_model, *args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(model.context_k, eager_model.context_k, rtol=1e-5, atol=1e-5)  # written in place
+    torch.testing.assert_close(model.context_k, eager_model.context_k, rtol=1e-5, atol=1e-5)  # eager's entries
     torch.testing.assert_close(model.context_v, eager_model.context_v, rtol=1e-5, atol=1e-5)
     layer_buffer = "empty_strided_cpu(" + str(tuple(model.context_k.shape[1:]))
     assert codes and not any(layer_buffer in code for code in codes)
