@@ -38,6 +38,7 @@
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "mla_wuv.cuh"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
@@ -568,17 +569,16 @@ mla_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ l
 // mla_tree_attention_output's second kernel: the split merge of one (request, node, head) row
 // exactly as mla_combine_kernel computes it (the same weights, fp32 operations in the same order,
 // the same bf16 rounding), kept in shared memory instead of written out, then W_UV's rows times
-// it exactly as mla_output's kernel (mla_absorb.cu) computes them: the same bits as the combine
-// and mla_output launches, in one launch.  Grid (H · ceil(dv / 32), R · N tokens), 8 warps; warp w
+// it with mla_output's own code (mla_wuv.cuh): the same bits as the combine and mla_output
+// launches, in one launch.  Grid (H · ceil(dv / 32), R · N tokens), 8 warps; warp w
 // of block (h, b) owns W_UV rows 32 b + 4 w .. + 3 of head h, loaded into registers before the
 // wait (lane l: columns 8 l + 256 j).  The merge: warp w sums the splits s ≡ w (mod 8) in
 // increasing s for all 512 dims (four float4 per lane), warps 1-7 hand their sums to warp 0
 // through shared memory, which adds them in warp order.  With one split the attention wrote the
 // row (bf16) itself: o_lat, read as is.
 constexpr int kOutWarps = 8;
-constexpr int kOutRowsPerWarp = 4;
-constexpr int kOutRows = kOutWarps * kOutRowsPerWarp;  // W_UV rows per block
-constexpr int kOutGroups = kDV / 256;                  // 16-byte pieces per lane of a W_UV row
+constexpr int kOutRows = kOutWarps * kWuvRowsPerWarp;  // W_UV rows per block
+constexpr int kOutGroups = kDV / kWuvCols;             // 16-byte pieces per lane of a W_UV row
 static_assert(kOutWarps == kCombineWarps, "split_weights: the combine and merge-output blocks have the same warps");
 
 __global__ void __launch_bounds__(kOutWarps * 32)
@@ -592,16 +592,10 @@ mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restric
   __shared__ float s_inv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int bph = (dv + kOutRows - 1) / kOutRows;
-  const int h = blockIdx.x / bph, d0 = (blockIdx.x % bph) * kOutRows + warp * kOutRowsPerWarp;
+  const int h = blockIdx.x / bph, d0 = (blockIdx.x % bph) * kOutRows + warp * kWuvRowsPerWarp;
   const int tok = blockIdx.y, r = tok / N, node = tok - r * N, M = N * H, row = node * H + h;
-  const __nv_bfloat16* w = w_kv_b + (int64_t(h) * (dn + dv) + dn) * kDV + 8 * lane;
-  uint4 wr[kOutRowsPerWarp][kOutGroups];
-#pragma unroll
-  for (int q = 0; q < kOutRowsPerWarp; ++q)
-#pragma unroll
-    for (int j = 0; j < kOutGroups; ++j)
-      wr[q][j] = d0 + q < dv ? ld_stream_early(reinterpret_cast<const uint4*>(w + int64_t(d0 + q) * kDV + 256 * j))
-                             : make_uint4(0, 0, 0, 0);
+  uint4 wr[kWuvRowsPerWarp][kOutGroups];
+  wuv_load_rows(w_kv_b + (int64_t(h) * (dn + dv) + dn) * kDV + 8 * lane, d0, dv, kDV, kOutGroups, wr);
   pdl_wait();  // the partials (or the row) come from the attention kernel
   pdl_launch_dependents();
   if (o_part == nullptr) {
@@ -657,18 +651,7 @@ mla_merge_output_kernel(const float* __restrict__ o_part, const float* __restric
     }
   }
   __syncthreads();
-  float dot[kOutRowsPerWarp] = {};
-#pragma unroll
-  for (int j = 0; j < kOutGroups; ++j) {
-    const uint4 ov = reinterpret_cast<const uint4*>(o_s)[lane + 32 * j];
-#pragma unroll
-    for (int q = 0; q < kOutRowsPerWarp; ++q) dot[q] = dot8(ov, wr[q][j], dot[q]);
-  }
-#pragma unroll
-  for (int q = 0; q < kOutRowsPerWarp; ++q) {
-    const float v = warp_sum(dot[q]);
-    if (lane == q && d0 + q < dv) out[(int64_t(tok) * H + h) * dv + d0 + q] = __float2bfloat16(v);
-  }
+  wuv_rows_times(o_s + 8 * lane, kOutGroups, wr, lane, d0, dv, out, (int64_t(tok) * H + h) * dv);
 }
 
 size_t combine_smem_bytes(int splits) {

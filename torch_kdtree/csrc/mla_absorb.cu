@@ -15,11 +15,13 @@
 //     outside the cache is skipped: the wrapper's eager check raises on it).
 // mla_output -- grid: h · ceil(dv / 32) blocks of 8 warps; warp w of block (h, b) owns the W_UV rows
 //   32 b + 4 w .. + 3 of head h, loaded into registers before the wait (lane l: columns 8 l + 256 j);
-//   per token, each lane's partial dot products over its columns of o_lat, a warp sum, bf16 out.
+//   per token, each lane's partial dot products over its columns of o_lat, a warp sum, bf16 out
+//   (mla_wuv.cuh, shared with mla_tree_attention_output's merge kernel).
 // Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
 // same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "mla_wuv.cuh"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
@@ -190,43 +192,22 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
               p.interleave);
 }
 
-constexpr int kOutRowsPerWarp = 4;
-constexpr int kOutRows = kWarps * kOutRowsPerWarp;  // W_UV rows per block
+constexpr int kOutRows = kWarps * kWuvRowsPerWarp;  // W_UV rows per block
 
 __global__ void __launch_bounds__(kThreads)
 mla_output_kernel(const bf16* __restrict__ o_lat, const bf16* __restrict__ w_kv_b, bf16* __restrict__ out, int M,
                   int heads, int dn, int dv, int dc) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int blocks_per_head = (dv + kOutRows - 1) / kOutRows;
-  const int h = blockIdx.x / blocks_per_head, d0 = (blockIdx.x % blocks_per_head) * kOutRows + warp * kOutRowsPerWarp;
+  const int h = blockIdx.x / blocks_per_head, d0 = (blockIdx.x % blocks_per_head) * kOutRows + warp * kWuvRowsPerWarp;
   const int groups = dc / kCols;  // 16-byte pieces per lane per row
-  const bf16* w = w_kv_b + (int64_t(h) * (dn + dv) + dn) * dc + 8 * lane;
-  uint4 wr[kOutRowsPerWarp][kMaxDc / kCols];
-#pragma unroll
-  for (int r = 0; r < kOutRowsPerWarp; ++r)
-#pragma unroll
-    for (int j = 0; j < kMaxDc / kCols; ++j)
-      wr[r][j] = (d0 + r < dv && j < groups) ? ld_stream_early(reinterpret_cast<const uint4*>(w + int64_t(d0 + r) * dc + kCols * j))
-                                              : make_uint4(0, 0, 0, 0);
+  uint4 wr[kWuvRowsPerWarp][kMaxDc / kCols];
+  wuv_load_rows(w_kv_b + (int64_t(h) * (dn + dv) + dn) * dc + 8 * lane, d0, dv, dc, groups, wr);
   pdl_wait();  // o_lat comes from the attention's combine (or the attention itself)
   pdl_launch_dependents();
-  for (int m = 0; m < M; ++m) {
-    const bf16* o = o_lat + (int64_t(m) * heads + h) * dc + 8 * lane;
-    float acc[kOutRowsPerWarp] = {};
-#pragma unroll
-    for (int j = 0; j < kMaxDc / kCols; ++j) {
-      if (j < groups) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(o + kCols * j);
-#pragma unroll
-        for (int r = 0; r < kOutRowsPerWarp; ++r) acc[r] = dot8(ov, wr[r][j], acc[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kOutRowsPerWarp; ++r) {
-      const float v = warp_sum(acc[r]);
-      if (lane == r && d0 + r < dv) out[(int64_t(m) * heads + h) * dv + d0 + r] = __float2bfloat16(v);
-    }
-  }
+  for (int m = 0; m < M; ++m)
+    wuv_rows_times(o_lat + (int64_t(m) * heads + h) * dc + 8 * lane, groups, wr, lane, d0, dv, out,
+                   (int64_t(m) * heads + h) * dv);
 }
 
 at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
