@@ -30,7 +30,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from torch_kdtree.ops import mla_prepare, mla_tree_attention, mla_tree_attention_output
+from torch_kdtree.ops import mla_decode, mla_prepare, mla_tree_attention, mla_tree_attention_output
 
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
@@ -62,6 +62,13 @@ _HAS_MLA_PREPARE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::
 # 0.6464 and 0.4108 in run 57).  Larger passes (tree verify) keep the torch forms until measured.
 PREPARE_ROWS = 4
 OUTPUT_ROWS = 1
+# kdtree::mla_decode (mla_prepare, the attention and the W_UV product in one launch) for passes of one
+# token (KimiK2Attention.decode_op_ok): "auto" (default: where mla_prepare and the single-token
+# output op would run and the latent sizes are K2's), "0" (never: A/B runs) or "always" (any
+# one-token-per-request pass, also on CPU where the op runs its reference; tests).  Read at import.
+_MLA_DECODE = os.environ.get("KDTREE_MLA_DECODE", "auto")
+if _MLA_DECODE not in ("auto", "0", "always"):
+    raise ValueError(f"KDTREE_MLA_DECODE must be auto, 0 or always, got {_MLA_DECODE!r}")
 
 
 class KimiK2RMSNorm(nn.Module):
@@ -278,6 +285,17 @@ class KimiK2Attention(nn.Module):
         OUTPUT_ROWS tokens, or ``KDTREE_MLA_PREPARE=always``."""
         return _MLA_PREPARE == "always" or (prepared and rows <= OUTPUT_ROWS)
 
+    def decode_op_ok(self, N: int, rows: int, prepared: bool) -> bool:
+        """Whether a pass takes ``kdtree::mla_decode`` (``KDTREE_MLA_DECODE``): one node per
+        request, and with ``auto`` a pass that :meth:`prepare_op_ok` and :meth:`output_op_ok`
+        accepted, with K2's latent sizes (dc 512, dr 64) and dn, dv <= 256."""
+        if N != 1 or _MLA_DECODE == "0":
+            return False
+        if _MLA_DECODE == "always":
+            return True
+        return (prepared and self.output_op_ok(rows, prepared) and self.kv_lora_rank == 512
+                and self.qk_rope_head_dim == 64 and self.qk_nope_head_dim <= 256 and self.v_head_dim <= 256)
+
     def _absorbed(self, x, q, ckv, cos, sin, batch: _Tree, layer_idx, residual=None):
         """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
         d_v 512), out = o_lat W_UV^T, o_proj (plus ``residual`` in o_proj's kernel, if given)."""
@@ -285,6 +303,13 @@ class KimiK2Attention(nn.Module):
         cache = batch.cache
         w_uk, w_uv = self._kv_b()
         prepared = self.prepare_op_ok(q, cache)
+        if self.decode_op_ok(N, R * N, prepared):  # the whole core in one launch
+            heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
+            out = mla_decode(q.reshape(R, heads, -1), ckv.reshape(R, -1), cos.reshape(R, -1), sin.reshape(R, -1),
+                             self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.kv_b_proj.weight, cache.kv,
+                             layer_idx, batch.slots.reshape(R), cache.block_table, cache.lengths, self.softmax_scale,
+                             self.rope_interleave, prefix_ready=True)
+            return self._o_proj(out.to(x.dtype).reshape(R, N, -1), residual)
         if prepared:
             M = R * N
             heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)

@@ -49,6 +49,12 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("mla_tree_attention_output(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
         " Tensor visible, float softmax_scale, Tensor w_kv_b, int qk_nope_head_dim, bool prefix_ready=False)"
         " -> Tensor");
+  // One token per request, the whole absorbed-MLA core: mla_prepare (the cache write at slots, which
+  // must be position cache_lens[r] of each request), the attention over positions [0, cache_lens + 1)
+  // and the W_UV product -> [R, h, dv]; one launch on CUDA.
+  m.def("mla_decode(Tensor q, Tensor ckv, Tensor cos, Tensor sin, Tensor norm_weight, float eps, Tensor w_kv_b,"
+        " Tensor(a!) kv_cache, int layer, Tensor slots, Tensor block_table, Tensor cache_lens, float softmax_scale,"
+        " bool interleave, bool prefix_ready=False) -> Tensor");
 
   // ---- INT4 MoE (ops/moe.py, csrc/moe.cu) ----
   // Compressed-tensors pack-quantized [E, N, K/8] int32 + bf16 [E, N, K/group] scales -> the

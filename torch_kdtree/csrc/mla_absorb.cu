@@ -27,14 +27,17 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace kdtree {
 namespace {
 
 using bf16 = __nv_bfloat16;
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -283,11 +286,377 @@ at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, in
   return out;
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// mla_decode: mla_prepare, the attention and mla_output of one token per request in one launch
+// ------------------------------------------------------------------------------------------------
+// Grid (8 h, R), thread-block clusters of 8 = one head h of request r, 256 threads.  Cluster rank s:
+//   before the wait: its 64 W_UK columns (cols 64 s ..) and its W_UV rows into registers, its share of
+//     the committed keys (with prefix_ready) into a ring of 32-key shared-memory stages (cp.async);
+//   1. q_abs columns 64 s .. + 63 (fp32 sums over dn, rounded to bf16) stored into every cluster
+//      block's query row; the rope half rotated locally; the block whose keys end at the new token
+//      computes its cache row (kv_a_layernorm, rope) and, for head 0, writes it to the cache;
+//   2. cluster barrier; the split's keys [kb, ke) of the L + 1 (chunk = ceil((L + 1) / 8) rounded up
+//      to 32): scores by warps (one key per warp at a time, a warp sum), an online softmax in fp32,
+//      the unnormalised latent sum held as two dims per thread; the new key from shared memory;
+//   3. cluster barrier; every block merges the 8 partials read from the other blocks' shared memory
+//      (fixed order, so all 8 agree), rounds the latent row to bf16 and multiplies its W_UV rows
+//      (mla_wuv.cuh); a last barrier keeps every block's shared memory alive until all have read it.
+// The committed length, the block table and the committed rows are read before the wait only with
+// prefix_ready (pdl.cuh's rule); the query, ckv, cos / sin and the slots after it.
+constexpr int kDecC = 8;                          // cluster size = key splits per head
+constexpr int kDecDc = 512, kDecDr = 64, kDecD = kDecDc + kDecDr;
+constexpr int kDecChunks = kDecD / 8;             // 16-byte pieces per cache row
+constexpr int kDecRowBytes = kDecD * 2;
+constexpr int kDecTile = 32;                      // keys per ring stage
+constexpr int kDecStageBytes = kDecTile * kDecRowBytes;
+constexpr int kDecCols = kDecDc / kDecC;          // q_abs columns per block
+constexpr int kDecGroups = kDecCols / 8;          // 16-byte column groups per block
+constexpr int kDecPhases = kThreads / kDecGroups; // W_UK rows walked in parallel
+constexpr int kDecRegRows = 4;                    // W_UK rows per thread in registers (dn <= 128)
+constexpr int kDecMaxDn = 256, kDecMaxDv = kDecC * kWarps * kWuvRowsPerWarp;
+static_assert(kDecPhases * kDecRegRows == 128, "dn <= 128 in registers");
+
+struct DecodeParams {
+  const bf16* q;        // [R, h, dn + 64]
+  const bf16* ckv;      // [R, 576]
+  const float* cos;     // [R, 32]
+  const float* sin;
+  const bf16* norm_w;   // [512]
+  const bf16* w;        // [h * (dn + dv), 512]
+  bf16* kv;             // this layer's [capacity, 576]
+  const int64_t* slots; // [R]
+  const int32_t* block_table;  // [R, max_pages]
+  const int32_t* cache_lens;   // [R]
+  bf16* out;            // [R, h, dv]
+  int64_t capacity;
+  int heads, dn, dv, page_size, max_pages, num_pages;
+  float eps, scale_log2;
+  bool interleave, early;
+};
+
+__device__ __forceinline__ void dec_cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void dec_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void dec_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int NS>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t ring[];  // NS stages of kDecTile cache rows
+  __shared__ __align__(16) bf16 qs[kDecD];           // the head's attention query (all 8 blocks' columns)
+  __shared__ __align__(16) bf16 newk[kDecD];         // the new token's cache row
+  __shared__ float qn[kDecMaxDn];
+  __shared__ __align__(16) float red[kWarps][kDecCols];
+  __shared__ float sc[kDecTile];
+  __shared__ __align__(16) float part_o[kDecDc];    // this split's unnormalised latent sum
+  __shared__ float part_ml[2];                      // its running max (log2 domain) and sum
+  __shared__ __align__(16) bf16 o_s[kDecDc];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int s = int(cluster.block_rank());
+  const int h = blockIdx.x / kDecC, r = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gi = tid % kDecGroups, rp = tid / kDecGroups;
+  const int64_t head_w = int64_t(h) * (p.dn + p.dv) * kDecDc;
+
+  // ---- before the wait: weights into registers ----
+  uint4 wk[kDecRegRows];
+  const bf16* wuk = p.w + head_w + s * kDecCols + gi * 8;
+#pragma unroll
+  for (int i = 0; i < kDecRegRows; ++i) {
+    const int d = rp + kDecPhases * i;
+    wk[i] = d < p.dn ? ld_stream_early(reinterpret_cast<const uint4*>(wuk + int64_t(d) * kDecDc))
+                     : make_uint4(0, 0, 0, 0);
+  }
+  const int rpb = ((p.dv + kDecC - 1) / kDecC + kWuvRowsPerWarp - 1) / kWuvRowsPerWarp * kWuvRowsPerWarp;
+  const bool uv_warp = warp * kWuvRowsPerWarp < rpb;
+  const int d0 = s * rpb + warp * kWuvRowsPerWarp, dv_w = uv_warp ? p.dv : 0;
+  uint4 wv[kWuvRowsPerWarp][kDecDc / kWuvCols];
+  wuv_load_rows(p.w + head_w + int64_t(p.dn) * kDecDc + 8 * lane, d0, dv_w, kDecDc, kDecDc / kWuvCols, wv);
+  // every block of the cluster is running before any writes into another's shared memory
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+
+  // ---- the split's committed keys ----
+  if (!p.early) pdl_wait();
+  const int max_keys = p.max_pages * p.page_size;
+  const int L = min(max(__ldcg(p.cache_lens + r), 0), max_keys - 1);
+  int chunk = (L + 1 + kDecC - 1) / kDecC;
+  chunk = (chunk + kDecTile - 1) / kDecTile * kDecTile;
+  const int kb = min(s * chunk, L + 1), ke = min(L + 1, kb + chunk);
+  const int ce = min(ke, L);  // committed keys [kb, ce); the new token's key L belongs to the split with ke = L + 1
+  const bool owner = kb <= L && L < ke;
+  const int tiles = ce > kb ? (ce - kb + kDecTile - 1) / kDecTile : 0;
+  const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
+  auto load_tile = [&](int t, int stage) {
+    const int key = tid >> 3, sub = tid & 7;  // 8 threads per key row
+    const int pos = kb + t * kDecTile + key;
+    const bf16* src = p.kv;
+    int bytes = 0;
+    if (pos < ce) {
+      const int lp = pos / p.page_size;
+      const int page = __ldcg(bt_r + lp);
+      if (page >= 0 && page < p.num_pages) {
+        src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kDecD;
+        bytes = 16;
+      }
+    }
+    uint8_t* dst = ring + stage * kDecStageBytes + key * kDecRowBytes;
+#pragma unroll
+    for (int c = sub; c < kDecChunks; c += 8) dec_cp_async16(dst + c * 16, bytes ? src + c * 8 : p.kv, bytes);
+  };
+  static_assert(kThreads / 8 == kDecTile, "one pass of the block loads one stage");
+#pragma unroll
+  for (int st = 0; st < NS; ++st) {
+    if (st < tiles) load_tile(st, st);
+    dec_cp_async_commit();
+  }
+  if (p.early) pdl_wait();
+  pdl_launch_dependents();
+
+  // ---- 1. the query, the new token's cache row, q_abs ----
+  const int qd = p.dn + kDecDr;
+  const bf16* qrow = p.q + (int64_t(r) * p.heads + h) * qd;
+  for (int i = tid; i < p.dn; i += kThreads) qn[i] = __bfloat162float(qrow[i]);
+  if (tid < kDecDr / 2)
+    rope_pair(qrow + p.dn, qs + kDecDc, p.cos[int64_t(r) * (kDecDr / 2) + tid], p.sin[int64_t(r) * (kDecDr / 2) + tid],
+              tid, kDecDr, p.interleave);
+  if (owner && warp == kWarps - 1) {
+    const bf16* c = p.ckv + int64_t(r) * kDecD;
+    float v[kDecDc / 256][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kDecDc / 256; ++i) {
+      unpack8(*reinterpret_cast<const uint4*>(c + 8 * (lane + 32 * i)), v[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
+    }
+    const float rs = rsqrtf(warp_sum(ss) / float(kDecDc) + p.eps);
+#pragma unroll
+    for (int i = 0; i < kDecDc / 256; ++i) {
+      const int g = lane + 32 * i;
+      float wn[8];
+      unpack8(__ldg(reinterpret_cast<const uint4*>(p.norm_w + 8 * g)), wn);
+      uint32_t y[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 two = __floats2bfloat162_rn(wn[2 * j] * round_bf16(v[i][2 * j] * rs),
+                                                         wn[2 * j + 1] * round_bf16(v[i][2 * j + 1] * rs));
+        y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
+      }
+      *reinterpret_cast<uint4*>(newk + 8 * g) = make_uint4(y[0], y[1], y[2], y[3]);
+    }
+    rope_pair(c + kDecDc, newk + kDecDc, p.cos[int64_t(r) * (kDecDr / 2) + lane], p.sin[int64_t(r) * (kDecDr / 2) + lane],
+              lane, kDecDr, p.interleave);
+    __syncwarp();
+    const int64_t slot = p.slots[r];
+    if (h == 0 && slot >= 0 && slot < p.capacity) {
+      uint4* dst = reinterpret_cast<uint4*>(p.kv + slot * kDecD);
+      for (int i = lane; i < kDecChunks; i += 32) dst[i] = reinterpret_cast<const uint4*>(newk)[i];
+    }
+  }
+  __syncthreads();  // qn
+  {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    auto row = [&](const uint4& raw, int d) {
+      float f[8];
+      unpack8(raw, f);
+      const float qv = qn[d];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = fmaf(qv, f[j], acc[j]);
+    };
+#pragma unroll
+    for (int i = 0; i < kDecRegRows; ++i)
+      if (rp + kDecPhases * i < p.dn) row(wk[i], rp + kDecPhases * i);
+    for (int d = rp + kDecPhases * kDecRegRows; d < p.dn; d += kDecPhases)  // dn > 128
+      row(__ldg(reinterpret_cast<const uint4*>(wuk + int64_t(d) * kDecDc)), d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // the warp's 4 row phases of each column group (lanes gi, gi + 8, ..)
+      acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 8);
+      acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 16);
+    }
+    if (lane < kDecGroups) {
+      float4* dst = reinterpret_cast<float4*>(&red[warp][8 * lane]);
+      dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+  }
+  __syncthreads();
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster has started
+  if (tid < kDecCols) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][tid];
+    const bf16 b = __float2bfloat16(v);
+#pragma unroll
+    for (int k = 0; k < kDecC; ++k) cluster.map_shared_rank(qs, k)[s * kDecCols + tid] = b;
+  }
+  cluster.sync();  // 2. every block's query row is whole
+
+  uint4 qv[3];
+#pragma unroll
+  for (int i = 0; i < 3; ++i)
+    qv[i] = lane + 32 * i < kDecChunks ? reinterpret_cast<const uint4*>(qs)[lane + 32 * i] : make_uint4(0, 0, 0, 0);
+  float m_run = -INFINITY, l_run = 0.f, o0 = 0.f, o1 = 0.f;  // this thread's latent dims 2 tid, 2 tid + 1
+  auto score = [&](const uint8_t* krow) {
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+      if (lane + 32 * i < kDecChunks) a = dot8(reinterpret_cast<const uint4*>(krow)[lane + 32 * i], qv[i], a);
+    return warp_sum(a) * p.scale_log2;
+  };
+  // The online softmax step over keys 0 .. n - 1 of `rows` (scores in sc): every thread the same.
+  auto accumulate = [&](const uint8_t* rows, int n) {
+    float mt = -INFINITY;
+    for (int j = 0; j < n; ++j) mt = fmaxf(mt, sc[j]);
+    const float m_new = fmaxf(m_run, mt);
+    const float alpha = exp2f(m_run - m_new);  // 0 while m_run is -inf
+    o0 *= alpha;
+    o1 *= alpha;
+    l_run *= alpha;
+    for (int j = 0; j < n; ++j) {
+      const float pj = exp2f(sc[j] - m_new);
+      const uint32_t v2 = *reinterpret_cast<const uint32_t*>(rows + j * kDecRowBytes + 4 * tid);
+      l_run += pj;
+      o0 = fmaf(pj, bf16_lo(v2), o0);
+      o1 = fmaf(pj, bf16_hi(v2), o1);
+    }
+    m_run = m_new;
+  };
+  for (int t = 0; t < tiles; ++t) {
+    dec_cp_async_wait<NS - 1>();
+    __syncthreads();
+    const uint8_t* tile = ring + (t % NS) * kDecStageBytes;
+    const int n = min(kDecTile, ce - (kb + t * kDecTile));
+    for (int j = warp; j < n; j += kWarps) {
+      const float v = score(tile + j * kDecRowBytes);
+      if (lane == 0) sc[j] = v;
+    }
+    __syncthreads();
+    accumulate(tile, n);
+    __syncthreads();  // the stage and sc are rewritten next
+    if (t + NS < tiles) load_tile(t + NS, t % NS);
+    dec_cp_async_commit();
+  }
+  if (owner) {
+    if (warp == 0) {
+      const float v = score(reinterpret_cast<const uint8_t*>(newk));
+      if (lane == 0) sc[0] = v;
+    }
+    __syncthreads();
+    accumulate(reinterpret_cast<const uint8_t*>(newk), 1);
+  }
+  reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
+  if (tid == 0) {
+    part_ml[0] = m_run;
+    part_ml[1] = l_run;
+  }
+  cluster.sync();  // 3. every split's partial is in its block's shared memory
+
+  float mk[kDecC], lk[kDecC], mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kDecC; ++k) {
+    const float* ml = cluster.map_shared_rank(part_ml, k);
+    mk[k] = ml[0];
+    lk[k] = ml[1];
+    mx = fmaxf(mx, mk[k]);
+  }
+  float sum = 0.f, a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int k = 0; k < kDecC; ++k) {
+    const float wgt = mk[k] == -INFINITY ? 0.f : exp2f(mk[k] - mx);
+    const float2 o = reinterpret_cast<const float2*>(cluster.map_shared_rank(part_o, k))[tid];
+    sum = fmaf(wgt, lk[k], sum);
+    a0 = fmaf(wgt, o.x, a0);
+    a1 = fmaf(wgt, o.y, a1);
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  reinterpret_cast<__nv_bfloat162*>(o_s)[tid] = __floats2bfloat162_rn(a0 * inv, a1 * inv);
+  cluster.sync();  // o_s is whole; no block's shared memory is read after this
+  if (uv_warp)
+    wuv_rows_times(o_s + 8 * lane, kDecDc / kWuvCols, wv, lane, d0, dv_w, p.out, (int64_t(r) * p.heads + h) * p.dv);
+}
+
+template <int NS>
+void launch_mla_decode(const DecodeParams& p, int R, cudaStream_t stream) {
+  auto kernel = mla_decode_kernel<NS>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, NS * kDecStageBytes));
+  launch_kernel_ex(kernel, dim3(unsigned(p.heads * kDecC), unsigned(R)), dim3(kThreads), dim3(kDecC, 1, 1),
+                   size_t(NS) * kDecStageBytes, stream, pdl_enabled("mla"), p);
+}
+
+at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& norm_weight, double eps, const at::Tensor& w_kv_b, at::Tensor& kv_cache,
+                           int64_t layer, const at::Tensor& slots, const at::Tensor& block_table,
+                           const at::Tensor& cache_lens, double softmax_scale, bool interleave, bool prefix_ready) {
+  constexpr const char* op = "kdtree::mla_decode";
+  check_cuda_tensor(q, op, "q", at::kBFloat16, 3);
+  check_cuda_tensor(ckv, op, "ckv", at::kBFloat16, 2);
+  check_cuda_tensor(cos, op, "cos", at::kFloat, 2);
+  check_cuda_tensor(sin, op, "sin", at::kFloat, 2);
+  check_cuda_tensor(norm_weight, op, "norm_weight", at::kBFloat16, 1);
+  check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
+  check_cuda_tensor(kv_cache, op, "kv_cache", at::kBFloat16, 4);
+  check_cuda_tensor(slots, op, "slots", at::kLong, 1);
+  check_cuda_tensor(block_table, op, "block_table", at::kInt, 2);
+  check_cuda_tensor(cache_lens, op, "cache_lens", at::kInt, 1);
+  const at::Tensor* others[] = {&ckv, &cos, &sin, &norm_weight, &w_kv_b, &kv_cache, &slots, &block_table, &cache_lens};
+  for (const at::Tensor* t : others)
+    KD_CHECK(t->device() == q.device(), op, ": every tensor must be on ", q.device(), ", got ", t->device());
+  const int64_t R = q.size(0), heads = q.size(1), dn = q.size(2) - kDecDr;
+  KD_CHECK(norm_weight.size(0) == kDecDc && kv_cache.size(3) == kDecD, op, ": the CUDA kernel needs K2's latent sizes, "
+           "norm_weight [", kDecDc, "] and cache rows of ", kDecD, ", got ", norm_weight.sizes(), " and ",
+           kv_cache.sizes());
+  KD_CHECK(dn >= 1 && dn <= kDecMaxDn, op, ": dn (q's last dim - 64) must be in [1, ", kDecMaxDn, "], got ", dn);
+  KD_CHECK(heads >= 1 && w_kv_b.size(1) == kDecDc && w_kv_b.size(0) % heads == 0 && w_kv_b.size(0) / heads > dn, op,
+           ": w_kv_b must be [h * (dn + dv), 512] with h = ", heads, ", dn = ", dn, ", got ", w_kv_b.sizes());
+  const int64_t dv = w_kv_b.size(0) / heads - dn;
+  KD_CHECK(dv <= kDecMaxDv, op, ": the CUDA kernel needs dv <= ", kDecMaxDv, ", got ", dv);
+  KD_CHECK(ckv.size(0) == R && ckv.size(1) == kDecD, op, ": ckv must be [R, 576] with R = ", R, ", got ", ckv.sizes());
+  KD_CHECK(cos.size(0) == R && cos.size(1) == kDecDr / 2 && sin.sizes() == cos.sizes(), op,
+           ": cos and sin must be [R, 32], got ", cos.sizes(), " and ", sin.sizes());
+  KD_CHECK(slots.size(0) == R && cache_lens.size(0) == R && block_table.size(0) == R, op,
+           ": slots, cache_lens and block_table must have R = ", R, " rows");
+  KD_CHECK(layer >= 0 && layer < kv_cache.size(0), op, ": layer must be in [0, ", kv_cache.size(0), "), got ", layer);
+  KD_CHECK(R <= 65535 && heads * kDecC <= INT32_MAX, op, ": at most 65535 requests, got ", R);
+  const int64_t capacity = kv_cache.size(1) * kv_cache.size(2);
+  KD_CHECK(block_table.size(1) >= 1 && block_table.size(1) * kv_cache.size(2) <= (int64_t(1) << 24), op,
+           ": block_table must have between 1 and 2^24 / page_size pages per request, got ", block_table.sizes());
+  at::Tensor out = at::empty({R, heads, dv}, q.options());
+  if (R == 0) return out;
+  const c10::cuda::CUDAGuard guard(q.device());
+  DecodeParams p{reinterpret_cast<const bf16*>(q.data_ptr()), reinterpret_cast<const bf16*>(ckv.data_ptr()),
+                 cos.data_ptr<float>(), sin.data_ptr<float>(), reinterpret_cast<const bf16*>(norm_weight.data_ptr()),
+                 reinterpret_cast<const bf16*>(w_kv_b.data_ptr()),
+                 reinterpret_cast<bf16*>(kv_cache.data_ptr()) + layer * capacity * kDecD, slots.data_ptr<int64_t>(),
+                 block_table.data_ptr<int32_t>(), cache_lens.data_ptr<int32_t>(),
+                 reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(heads), int(dn), int(dv),
+                 int(kv_cache.size(2)), int(block_table.size(1)), int(kv_cache.size(1)), float(eps),
+                 float(softmax_scale * 1.44269504088896341), interleave, prefix_ready && prewait_enabled("mla")};
+  // Ring stages: KDTREE_MLA_DECODE_STAGES=2 or 4 (A/B runs; read per call); by default 4 where the
+  // shared memory holds them (sm_90), else 2 (sm_120's 99 KB).
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  int stages = int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 12 * 1024 ? 4 : 2;
+  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::atoi(env) >= 4 ? 4 : 2;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (stages == 4)
+    launch_mla_decode<4>(p, int(R), stream);
+  else
+    launch_mla_decode<2>(p, int(R), stream);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
   m.impl("mla_prepare", &mla_prepare_cuda);
   m.impl("mla_output", &mla_output_cuda);
+  m.impl("mla_decode", &mla_decode_cuda);
 }
 
 }  // namespace kdtree

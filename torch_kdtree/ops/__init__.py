@@ -9,8 +9,8 @@ from .topk import (PartialTopK, TopK, draft_topk, draft_topk_merge, draft_topk_m
 
 # ---- MLA tree attention ----
 from .mla import mla_tree_attention, mla_tree_attention_out_reference, mla_tree_attention_reference
-from .mla_absorb import (mla_output, mla_output_reference, mla_prepare, mla_prepare_reference, mla_tree_attention_output,
-                         mla_tree_attention_output_reference)
+from .mla_absorb import (mla_decode, mla_decode_reference, mla_output, mla_output_reference, mla_prepare,
+                         mla_prepare_reference, mla_tree_attention_output, mla_tree_attention_output_reference)
 
 # ---- INT4 MoE ----
 from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,

@@ -256,5 +256,103 @@ def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, w_kv_b, qk_n
     return q.new_empty((R, N, H, w_kv_b.shape[0] // H - qk_nope_head_dim))
 
 
-__all__ = ["mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference", "mla_tree_attention_output",
+# --------------------------------------------------------------------------------------------
+# mla_decode: mla_prepare, the attention and mla_output of one token per request in one op
+# --------------------------------------------------------------------------------------------
+
+def _check_decode(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens,
+                  softmax_scale) -> None:
+    op = "mla_decode"
+    _check(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, op=op)
+    check_tensor(op, "block_table", block_table, torch.int32, 2)
+    check_tensor(op, "cache_lens", cache_lens, torch.int32, 1)
+    check_same_device(op, q=q, block_table=block_table, cache_lens=cache_lens)
+    R = q.shape[0]
+    if kv_cache.shape[3] != 576 or norm_weight.shape[0] != 512:
+        raise ValueError(f"{op}: the attention needs cache rows of 576 (dc 512 + dr 64) and norm_weight [512], got "
+                         f"{tuple(kv_cache.shape)} and {tuple(norm_weight.shape)}")
+    if block_table.shape[0] != R or cache_lens.shape[0] != R:
+        raise ValueError(f"{op}: block_table and cache_lens must have R = {R} rows (one token per request), got "
+                         f"{block_table.shape[0]} and {cache_lens.shape[0]}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{op}: softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if not value_checks_active(cache_lens) or R == 0:
+        return
+    num_pages, page_size = kv_cache.shape[1], kv_cache.shape[2]
+    pos = cache_lens.long()
+    if (pos < 0).any():
+        raise ValueError(f"{op}: cache_lens must be non-negative")
+    if (pos // page_size >= block_table.shape[1]).any():
+        raise ValueError(f"{op}: block_table has {block_table.shape[1]} pages per request, too few for position "
+                         f"cache_lens = {int(pos.max())} with page_size {page_size}")
+    need = (pos + page_size) // page_size  # pages covering positions [0, cache_lens]
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
+    if (used & ((block_table < 0) | (block_table >= num_pages))).any():
+        raise ValueError(f"{op}: block_table entries covering positions [0, cache_lens] must be page ids in "
+                         f"[0, {num_pages})")
+    page = block_table.long().gather(1, (pos // page_size)[:, None])[:, 0]
+    if not torch.equal(slots, page * page_size + pos % page_size):
+        raise ValueError(f"{op}: slots[r] must be the cache slot of position cache_lens[r] (the new token's entry, "
+                         f"through block_table)")
+
+
+def mla_decode_reference(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float, w_kv_b: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                         slots: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor, softmax_scale: float,
+                         interleave: bool, prefix_ready: bool = False) -> torch.Tensor:
+    """Pure-torch reference (and CPU kernel) of ``kdtree::mla_decode``: the three references one
+    after the other, as the model runs them for a token per request (``prefix_ready`` is a
+    scheduling hint for the CUDA kernel; it does not change the result)."""
+    _check_decode(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens,
+                  softmax_scale)
+    R, heads, qd = q.shape
+    dn = qd - (kv_cache.shape[3] - norm_weight.shape[0])
+    query = mla_prepare_reference(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, interleave)
+    visible = torch.ones((R, 1, 1), dtype=torch.bool, device=q.device)
+    out = mla_tree_attention_output_reference(query.view(R, 1, heads, -1), kv_cache[layer], block_table, cache_lens,
+                                              visible, softmax_scale, w_kv_b, dn)
+    return out.view(R, heads, -1)
+
+
+def mla_decode(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
+               eps: float, w_kv_b: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor,
+               block_table: torch.Tensor, cache_lens: torch.Tensor, softmax_scale: float, interleave: bool = True, *,
+               prefix_ready: bool = False) -> torch.Tensor:
+    """The absorbed-MLA core of a decode step (one new token per request) as one op:
+    ``mla_tree_attention_output(mla_prepare(q, ckv, ...).view(R, 1, h, 576), kv_cache[layer], block_table,
+    cache_lens, visible=True, softmax_scale, w_kv_b, dn)``.
+
+    Args:
+        q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, interleave: as in
+            :func:`mla_prepare`, with M = R (q [R, h, dn + 64], ckv [R, 576]).
+        slots: int64 [R], the flat cache slot of each request's new token, which must be position
+            ``cache_lens[r]`` through ``block_table`` (checked in eager mode).
+        block_table, cache_lens, softmax_scale, prefix_ready: as in
+            :func:`~torch_kdtree.ops.mla_tree_attention` (keys: the committed positions
+            [0, cache_lens[r]) and the new token).
+    Returns the heads' values [R, h, dv] in q's dtype (o_proj's input); writes the new tokens'
+    cache rows.  On CUDA one launch: a thread-block cluster of 8 blocks per (request, head), each
+    with an eighth of the keys, merged through distributed shared memory (csrc/mla_absorb.cu).
+    """
+    _check_decode(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens,
+                  softmax_scale)
+    return torch.ops.kdtree.mla_decode(q, ckv, cos, sin, norm_weight, float(eps), w_kv_b, kv_cache, int(layer), slots,
+                                       block_table, cache_lens, float(softmax_scale), bool(interleave),
+                                       bool(prefix_ready))
+
+
+torch.library.register_kernel("kdtree::mla_decode", "cpu", mla_decode_reference)
+
+
+@torch.library.register_fake("kdtree::mla_decode")
+def _(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens, softmax_scale,
+      interleave, prefix_ready=False):
+    R, heads, qd = q.shape
+    dn = qd - (kv_cache.shape[3] - norm_weight.shape[0])
+    return q.new_empty((R, heads, w_kv_b.shape[0] // heads - dn))
+
+
+__all__ = ["mla_decode", "mla_decode_reference", "mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference", "mla_tree_attention_output",
            "mla_tree_attention_output_reference"]
