@@ -348,13 +348,15 @@ __device__ __forceinline__ void dec_cp_async_wait() {
 }
 
 template <int NS>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t ring[];  // NS stages of kDecTile cache rows
   __shared__ __align__(16) bf16 qs[kDecD];           // the head's attention query (all 8 blocks' columns)
   __shared__ __align__(16) bf16 newk[kDecD];         // the new token's cache row
   __shared__ float qn[kDecMaxDn];
   __shared__ __align__(16) float red[kWarps][kDecCols];
-  __shared__ float sc[kDecTile];
+  __shared__ float sc[kDecTile];                    // the tile's scores (log2 domain)
+  __shared__ float ps[kDecTile];                    // its probabilities against the running max
+  __shared__ float s_alpha;                         // the running sums' rescale factor
   __shared__ __align__(16) float part_o[kDecDc];    // this split's unnormalised latent sum
   __shared__ float part_ml[2];                      // its running max (log2 domain) and sum
   __shared__ __align__(16) bf16 o_s[kDecDc];
@@ -379,6 +381,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodePar
   const int d0 = s * rpb + warp * kWuvRowsPerWarp, dv_w = uv_warp ? p.dv : 0;
   uint4 wv[kWuvRowsPerWarp][kDecDc / kWuvCols];
   wuv_load_rows(p.w + head_w + int64_t(p.dn) * kDecDc + 8 * lane, d0, dv_w, kDecDc, kDecDc / kWuvCols, wv);
+  uint4 nw[kDecDc / 256];  // kv_a_layernorm's weight, for the block that computes the new cache row
+  if (warp == kWarps - 1) {
+#pragma unroll
+    for (int i = 0; i < kDecDc / 256; ++i)
+      nw[i] = ld_stream_early(reinterpret_cast<const uint4*>(p.norm_w + 8 * (lane + 32 * i)));
+  }
   // every block of the cluster is running before any writes into another's shared memory
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
@@ -410,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodePar
 #pragma unroll
     for (int c = sub; c < kDecChunks; c += 8) dec_cp_async16(dst + c * 16, bytes ? src + c * 8 : p.kv, bytes);
   };
-  static_assert(kThreads / 8 == kDecTile, "one pass of the block loads one stage");
+  static_assert(kThreads / 8 == kDecTile && kDecTile == 32, "one pass of the block loads one stage; warp 0 owns a tile");
 #pragma unroll
   for (int st = 0; st < NS; ++st) {
     if (st < tiles) load_tile(st, st);
@@ -427,21 +435,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodePar
     rope_pair(qrow + p.dn, qs + kDecDc, p.cos[int64_t(r) * (kDecDr / 2) + tid], p.sin[int64_t(r) * (kDecDr / 2) + tid],
               tid, kDecDr, p.interleave);
   if (owner && warp == kWarps - 1) {
+    // Every load of the chain first (ckv, k_pe's pair, cos / sin, the slot), then the norm and RoPE.
     const bf16* c = p.ckv + int64_t(r) * kDecD;
+    uint4 craw[kDecDc / 256];
+#pragma unroll
+    for (int i = 0; i < kDecDc / 256; ++i) craw[i] = *reinterpret_cast<const uint4*>(c + 8 * (lane + 32 * i));
+    const float x1 = __bfloat162float(c[kDecDc + (p.interleave ? 2 * lane : lane)]);
+    const float x2 = __bfloat162float(c[kDecDc + (p.interleave ? 2 * lane + 1 : lane + kDecDr / 2)]);
+    const float cs = p.cos[int64_t(r) * (kDecDr / 2) + lane], sn = p.sin[int64_t(r) * (kDecDr / 2) + lane];
+    const int64_t slot = p.slots[r];
     float v[kDecDc / 256][8];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kDecDc / 256; ++i) {
-      unpack8(*reinterpret_cast<const uint4*>(c + 8 * (lane + 32 * i)), v[i]);
+      unpack8(craw[i], v[i]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
     }
     const float rs = rsqrtf(warp_sum(ss) / float(kDecDc) + p.eps);
 #pragma unroll
     for (int i = 0; i < kDecDc / 256; ++i) {
-      const int g = lane + 32 * i;
       float wn[8];
-      unpack8(__ldg(reinterpret_cast<const uint4*>(p.norm_w + 8 * g)), wn);
+      unpack8(nw[i], wn);
       uint32_t y[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -449,12 +464,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodePar
                                                          wn[2 * j + 1] * round_bf16(v[i][2 * j + 1] * rs));
         y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
       }
-      *reinterpret_cast<uint4*>(newk + 8 * g) = make_uint4(y[0], y[1], y[2], y[3]);
+      *reinterpret_cast<uint4*>(newk + 8 * (lane + 32 * i)) = make_uint4(y[0], y[1], y[2], y[3]);
     }
-    rope_pair(c + kDecDc, newk + kDecDc, p.cos[int64_t(r) * (kDecDr / 2) + lane], p.sin[int64_t(r) * (kDecDr / 2) + lane],
-              lane, kDecDr, p.interleave);
+    newk[kDecDc + lane] = __float2bfloat16(x1 * cs - x2 * sn);  // rope_pair's arithmetic
+    newk[kDecDc + lane + kDecDr / 2] = __float2bfloat16(x2 * cs + x1 * sn);
     __syncwarp();
-    const int64_t slot = p.slots[r];
     if (h == 0 && slot >= 0 && slot < p.capacity) {
       uint4* dst = reinterpret_cast<uint4*>(p.kv + slot * kDecD);
       for (int i = lane; i < kDecChunks; i += 32) dst[i] = reinterpret_cast<const uint4*>(newk)[i];
@@ -498,64 +512,65 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecodePar
   }
   cluster.sync();  // 2. every block's query row is whole
 
-  uint4 qv[3];
-#pragma unroll
-  for (int i = 0; i < 3; ++i)
-    qv[i] = lane + 32 * i < kDecChunks ? reinterpret_cast<const uint4*>(qs)[lane + 32 * i] : make_uint4(0, 0, 0, 0);
-  float m_run = -INFINITY, l_run = 0.f, o0 = 0.f, o1 = 0.f;  // this thread's latent dims 2 tid, 2 tid + 1
-  auto score = [&](const uint8_t* krow) {
+  // Scores: 8 threads per key (tid / 8), each 9 of the row's 72 pieces (tid % 8 + 8 k), summed over
+  // the 8; warp 0 runs the online softmax of the tile (max, probabilities, running sum) and every
+  // thread rescales and accumulates its two latent dims.
+  const int kj = tid >> 3, sub = tid & 7;
+  const uint4* qv = reinterpret_cast<const uint4*>(qs) + sub;  // read per tile (registers are short)
+  float m_run = -INFINITY, l_run = 0.f;  // warp 0's copy is the one used
+  float o0 = 0.f, o1 = 0.f;              // this thread's latent dims 2 tid, 2 tid + 1
+  auto tile_step = [&](const uint8_t* rows, int n) {  // after a barrier that made `rows` visible
     float a = 0.f;
+    if (kj < n) {
+      const uint4* krow = reinterpret_cast<const uint4*>(rows + kj * kDecRowBytes);
 #pragma unroll
-    for (int i = 0; i < 3; ++i)
-      if (lane + 32 * i < kDecChunks) a = dot8(reinterpret_cast<const uint4*>(krow)[lane + 32 * i], qv[i], a);
-    return warp_sum(a) * p.scale_log2;
-  };
-  // The online softmax step over keys 0 .. n - 1 of `rows` (scores in sc): every thread the same.
-  auto accumulate = [&](const uint8_t* rows, int n) {
-    float mt = -INFINITY;
-    for (int j = 0; j < n; ++j) mt = fmaxf(mt, sc[j]);
-    const float m_new = fmaxf(m_run, mt);
-    const float alpha = exp2f(m_run - m_new);  // 0 while m_run is -inf
+      for (int k = 0; k < kDecChunks / 8; ++k) a = dot8(krow[sub + 8 * k], qv[8 * k], a);
+    }
+    a += __shfl_xor_sync(0xffffffffu, a, 1);
+    a += __shfl_xor_sync(0xffffffffu, a, 2);
+    a += __shfl_xor_sync(0xffffffffu, a, 4);
+    if (sub == 0) sc[kj] = kj < n ? a * p.scale_log2 : -INFINITY;
+    __syncthreads();
+    if (warp == 0) {
+      const float sj = sc[lane];
+      const float m_new = fmaxf(m_run, warp_max(sj));
+      const float pj = exp2f(sj - m_new);          // 0 past n
+      const float alpha = exp2f(m_run - m_new);    // 0 while m_run is -inf
+      l_run = fmaf(l_run, alpha, warp_sum(pj));
+      m_run = m_new;
+      ps[lane] = pj;
+      if (lane == 0) s_alpha = alpha;
+    }
+    __syncthreads();
+    const float alpha = s_alpha;
     o0 *= alpha;
     o1 *= alpha;
-    l_run *= alpha;
+#pragma unroll 8
     for (int j = 0; j < n; ++j) {
-      const float pj = exp2f(sc[j] - m_new);
+      const float pj = ps[j];
       const uint32_t v2 = *reinterpret_cast<const uint32_t*>(rows + j * kDecRowBytes + 4 * tid);
-      l_run += pj;
       o0 = fmaf(pj, bf16_lo(v2), o0);
       o1 = fmaf(pj, bf16_hi(v2), o1);
     }
-    m_run = m_new;
   };
+  // Tile t sits in copy group t: NS groups before the loop, one per iteration (the refill of the
+  // stage the previous iteration read, issued once every thread is past it).
   for (int t = 0; t < tiles; ++t) {
     dec_cp_async_wait<NS - 1>();
     __syncthreads();
-    const uint8_t* tile = ring + (t % NS) * kDecStageBytes;
-    const int n = min(kDecTile, ce - (kb + t * kDecTile));
-    for (int j = warp; j < n; j += kWarps) {
-      const float v = score(tile + j * kDecRowBytes);
-      if (lane == 0) sc[j] = v;
-    }
-    __syncthreads();
-    accumulate(tile, n);
-    __syncthreads();  // the stage and sc are rewritten next
-    if (t + NS < tiles) load_tile(t + NS, t % NS);
+    if (t >= 1 && t - 1 + NS < tiles) load_tile(t - 1 + NS, (t - 1) % NS);
     dec_cp_async_commit();
+    tile_step(ring + (t % NS) * kDecStageBytes, min(kDecTile, ce - (kb + t * kDecTile)));
   }
   if (owner) {
-    if (warp == 0) {
-      const float v = score(reinterpret_cast<const uint8_t*>(newk));
-      if (lane == 0) sc[0] = v;
-    }
-    __syncthreads();
-    accumulate(reinterpret_cast<const uint8_t*>(newk), 1);
+    __syncthreads();  // sc, ps and s_alpha are rewritten
+    tile_step(reinterpret_cast<const uint8_t*>(newk), 1);
   }
-  reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
-  if (tid == 0) {
+  if (tid == 0) {  // warp 0's running max and sum
     part_ml[0] = m_run;
     part_ml[1] = l_run;
   }
+  reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
   cluster.sync();  // 3. every split's partial is in its block's shared memory
 
   float mk[kDecC], lk[kDecC], mx = -INFINITY;
@@ -638,11 +653,13 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
                  reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(heads), int(dn), int(dv),
                  int(kv_cache.size(2)), int(block_table.size(1)), int(kv_cache.size(1)), float(eps),
                  float(softmax_scale * 1.44269504088896341), interleave, prefix_ready && prewait_enabled("mla")};
-  // Ring stages: KDTREE_MLA_DECODE_STAGES=2 or 4 (A/B runs; read per call); by default 4 where the
-  // shared memory holds them (sm_90), else 2 (sm_120's 99 KB).
+  // Ring stages: 2 (81 KB of shared memory a block, so the neighbouring kernels' blocks still fit
+  // beside it; 4 stages measured 9 % slower on 2p2b, run 73), or KDTREE_MLA_DECODE_STAGES=4 where the
+  // shared memory holds them (A/B runs; read per call).
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  int stages = int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 12 * 1024 ? 4 : 2;
-  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::atoi(env) >= 4 ? 4 : 2;
+  int stages = 2;
+  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES"))
+    stages = std::atoi(env) >= 4 && int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 12 * 1024 ? 4 : 2;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (stages == 4)
     launch_mla_decode<4>(p, int(R), stream);
