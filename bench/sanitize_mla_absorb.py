@@ -2,12 +2,16 @@
 mla_prepare with one token and a chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE
 layouts, a slot past the cache and a negative one (skipped by the kernel); mla_output with dv not a
 multiple of the block's 32 rows and dc 1024; mla_tree_attention_output with several splits (some
-empty), one split, and dv 40; each result against the CPU reference."""
+empty), one split, and dv 40; mla_decode with several ring refills (2 and 4 stages), empty splits,
+two requests, dn 192 and a slot past the cache (skipped); each result against the CPU reference."""
+import os
+
 import torch
 
 import torch_kdtree  # noqa: F401
-from torch_kdtree.ops import (mla_output, mla_output_reference, mla_prepare, mla_prepare_reference,
-                              mla_tree_attention_output, mla_tree_attention_output_reference, value_checks)
+from torch_kdtree.ops import (mla_decode, mla_decode_reference, mla_output, mla_output_reference, mla_prepare,
+                              mla_prepare_reference, mla_tree_attention_output, mla_tree_attention_output_reference,
+                              value_checks)
 
 g = torch.Generator().manual_seed(0)
 
@@ -83,3 +87,41 @@ print(attention_output(1, 1, 16, [767], 16, 128, 128))
 print(attention_output(2, 1, 16, [1000, 5], 64, 128, 128))
 print(attention_output(1, 1, 8, [40], 16, 128, 128))
 print(attention_output(2, 3, 4, [17, 300], 32, 64, 40))
+
+
+def decode(lens, H, dn, dv, page_size, bad_slot=False):
+    """mla_decode (one cluster launch) against its reference; with bad_slot the first request's
+    slot lies past the cache: the kernel skips the write (value checks off) and the reference is
+    given the true slot, so only that cache row may differ."""
+    R, D = len(lens), 576
+    max_pages = max((n + page_size) // page_size for n in lens) + 1
+    pages = R * max_pages + 2
+    bt = torch.randperm(pages, generator=g)[: R * max_pages].view(R, max_pages).int()
+    cl = torch.tensor(lens, dtype=torch.int32)
+    slots = bt.long().gather(1, (cl.long() // page_size)[:, None])[:, 0] * page_size + cl.long() % page_size
+    ang = torch.rand(R, 32, generator=g) * 10
+    args = [torch.randn(R, H, dn + 64, generator=g).bfloat16(), (torch.randn(R, D, generator=g) * 3).bfloat16(),
+            ang.cos(), ang.sin(), (torch.rand(512, generator=g) + 0.5).bfloat16(), 1e-6,
+            (torch.randn(H * (dn + dv), 512, generator=g) / dn ** 0.5).bfloat16(),
+            torch.randn(2, pages, page_size, D, generator=g).bfloat16(), 1, slots, bt, cl, 0.07, True]
+    cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    if bad_slot:
+        cuda[9] = cuda[9].clone()
+        cuda[9][0] = pages * page_size
+    got = mla_decode(*cuda, prefix_ready=True).cpu()
+    want = mla_decode_reference(*args)
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    keep = torch.ones(pages * page_size, dtype=torch.bool)
+    if bad_slot:
+        keep[slots[0]] = False
+    cache, ref = cuda[7][1].view(-1, D)[keep].cpu().float(), args[7][1].view(-1, D)[keep].float()
+    cache_err = float((cache - ref).norm() / ref.norm())
+    return "OK" if err < 1e-2 and cache_err < 1e-2 else f"MISMATCH {err} {cache_err}"
+
+
+with value_checks(False):
+    for stages in ("2", "4"):
+        os.environ["KDTREE_MLA_DECODE_STAGES"] = stages
+        print(decode([767], 16, 128, 128, 16))
+        print(decode([2000, 3], 8, 128, 128, 64))
+    print(decode([40, 300], 4, 192, 40, 7, bad_slot=True))

@@ -553,13 +553,18 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
       o1 = fmaf(pj, bf16_hi(v2), o1);
     }
   };
-  // Tile t sits in copy group t: NS groups before the loop, one per iteration (the refill of the
-  // stage the previous iteration read, issued once every thread is past it).
+  // Tile t sits in copy group t: NS groups before the loop, then one per iteration from the second
+  // on (the refill of the stage the previous iteration read, issued once every thread is past it).
+  // Before iteration t >= 1's wait NS + t - 1 groups are committed, so "at most NS - 2 pending"
+  // means groups 0 .. t have landed.
+  static_assert(NS >= 2, "a refill lags one iteration behind");
   for (int t = 0; t < tiles; ++t) {
-    dec_cp_async_wait<NS - 1>();
+    dec_cp_async_wait<NS - 2>();
     __syncthreads();
-    if (t >= 1 && t - 1 + NS < tiles) load_tile(t - 1 + NS, (t - 1) % NS);
-    dec_cp_async_commit();
+    if (t >= 1) {
+      if (t - 1 + NS < tiles) load_tile(t - 1 + NS, (t - 1) % NS);
+      dec_cp_async_commit();
+    }
     tile_step(ring + (t % NS) * kDecStageBytes, min(kDecTile, ce - (kb + t * kDecTile)));
   }
   if (owner) {
