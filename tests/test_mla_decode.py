@@ -183,20 +183,24 @@ def test_models_decode_path_matches_its_torch_path(monkeypatch, ragged):
 
 
 def test_models_op_choice(monkeypatch):
-    """auto: only where mla_prepare and the one-token output op run (CUDA, bf16), one node; always:
-    any one-node pass; 0: never."""
+    """auto: only where mla_prepare and the one-token output op run (CUDA, bf16), one node, a cache
+    of at most DECODE_MAX_KEYS positions; always: any one-node pass; 0: never."""
     from test_kimi_model import make_model
 
     from torch_kdtree.models.kimi_k2 import modeling
 
-    attn = make_model(5).model.layers[0].self_attn
+    model = make_model(5)
+    attn = model.model.layers[0].self_attn
+    small = modeling.KimiK2Cache.for_model(model, 1, modeling.DECODE_MAX_KEYS, page_size=64, dtype=torch.float32)
+    large = modeling.KimiK2Cache.for_model(model, 1, modeling.DECODE_MAX_KEYS + 1, page_size=64, dtype=torch.float32)
     monkeypatch.setattr(modeling, "_MLA_DECODE", "auto")
-    monkeypatch.setattr(modeling, "_MLA_PREPARE", "auto")
-    assert not attn.decode_op_ok(1, 1, False)  # CPU: prepare_op_ok said no
+    assert not attn.decode_op_ok(1, 1, False, small)  # CPU: prepare_op_ok said no
+    assert attn.decode_op_ok(1, 1, True, small)  # as on CUDA once mla_prepare is taken
+    assert not attn.decode_op_ok(1, 1, True, large) and not attn.decode_op_ok(1, 2, True, small)
     monkeypatch.setattr(modeling, "_MLA_DECODE", "always")
-    assert attn.decode_op_ok(1, 3, False) and not attn.decode_op_ok(2, 2, False)
+    assert attn.decode_op_ok(1, 3, False, large) and not attn.decode_op_ok(2, 2, False, small)
     monkeypatch.setattr(modeling, "_MLA_DECODE", "0")
-    assert not attn.decode_op_ok(1, 1, True)
+    assert not attn.decode_op_ok(1, 1, True, small)
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ OUTPUT_ROWS = 1
 # output op would run and the latent sizes are K2's), "0" (never: A/B runs) or "always" (any
 # one-token-per-request pass, also on CPU where the op runs its reference; tests).  Read at import.
 _MLA_DECODE = os.environ.get("KDTREE_MLA_DECODE", "auto")
+# Its keys per request are walked by 8 blocks per head (each head's cluster reads every key): up to
+# this cache size it beat the three-kernel path (RESULTS.md, runs 73-76); longer caches keep that path.
+DECODE_MAX_KEYS = 1024
 if _MLA_DECODE not in ("auto", "0", "always"):
     raise ValueError(f"KDTREE_MLA_DECODE must be auto, 0 or always, got {_MLA_DECODE!r}")
 
@@ -285,16 +288,19 @@ class KimiK2Attention(nn.Module):
         OUTPUT_ROWS tokens, or ``KDTREE_MLA_PREPARE=always``."""
         return _MLA_PREPARE == "always" or (prepared and rows <= OUTPUT_ROWS)
 
-    def decode_op_ok(self, N: int, rows: int, prepared: bool) -> bool:
+    def decode_op_ok(self, N: int, rows: int, prepared: bool, cache: KimiK2Cache) -> bool:
         """Whether a pass takes ``kdtree::mla_decode`` (``KDTREE_MLA_DECODE``): one node per
         request, and with ``auto`` a pass that :meth:`prepare_op_ok` and :meth:`output_op_ok`
-        accepted, with K2's latent sizes (dc 512, dr 64) and dn, dv <= 256."""
+        accepted, with K2's latent sizes (dc 512, dr 64), dn, dv <= 256 and a cache of at most
+        DECODE_MAX_KEYS positions per request (static: its block table's size)."""
         if N != 1 or _MLA_DECODE == "0":
             return False
         if _MLA_DECODE == "always":
             return True
+        keys = cache.block_table.shape[1] * cache.page_size
         return (prepared and self.output_op_ok(rows, prepared) and self.kv_lora_rank == 512
-                and self.qk_rope_head_dim == 64 and self.qk_nope_head_dim <= 256 and self.v_head_dim <= 256)
+                and self.qk_rope_head_dim == 64 and self.qk_nope_head_dim <= 256 and self.v_head_dim <= 256
+                and keys <= DECODE_MAX_KEYS)
 
     def _absorbed(self, x, q, ckv, cos, sin, batch: _Tree, layer_idx, residual=None):
         """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
@@ -303,7 +309,7 @@ class KimiK2Attention(nn.Module):
         cache = batch.cache
         w_uk, w_uv = self._kv_b()
         prepared = self.prepare_op_ok(q, cache)
-        if self.decode_op_ok(N, R * N, prepared):  # the whole core in one launch
+        if self.decode_op_ok(N, R * N, prepared, cache):  # the whole core in one launch
             heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
             out = mla_decode(q.reshape(R, heads, -1), ckv.reshape(R, -1), cos.reshape(R, -1), sin.reshape(R, -1),
                              self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.kv_b_proj.weight, cache.kv,

@@ -315,6 +315,7 @@ constexpr int kDecGroups = kDecCols / 8;          // 16-byte column groups per b
 constexpr int kDecPhases = kThreads / kDecGroups; // W_UK rows walked in parallel
 constexpr int kDecRegRows = 4;                    // W_UK rows per thread in registers (dn <= 128)
 constexpr int kDecMaxDn = 256, kDecMaxDv = kDecC * kWarps * kWuvRowsPerWarp;
+constexpr int kDecMaxPages = 256;                 // block-table entries of a split kept in shared memory
 static_assert(kDecPhases * kDecRegRows == 128, "dn <= 128 in registers");
 
 struct DecodeParams {
@@ -354,6 +355,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   __shared__ __align__(16) bf16 newk[kDecD];         // the new token's cache row
   __shared__ float qn[kDecMaxDn];
   __shared__ __align__(16) float red[kWarps][kDecCols];
+  __shared__ int pg[kDecMaxPages];                  // the split's block-table entries (when they fit)
   __shared__ float sc[kDecTile];                    // the tile's scores (log2 domain)
   __shared__ float ps[kDecTile];                    // its probabilities against the running max
   __shared__ float s_alpha;                         // the running sums' rescale factor
@@ -401,6 +403,13 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   const bool owner = kb <= L && L < ke;
   const int tiles = ce > kb ? (ce - kb + kDecTile - 1) / kDecTile : 0;
   const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
+  // The split's block-table entries into shared memory once (when they fit), so that a tile's copies
+  // wait for one L2 round trip (the rows), not two (the entry, then the rows).
+  const int pg0 = kb / p.page_size, npg = ce > kb ? (ce - 1) / p.page_size - pg0 + 1 : 0;
+  const bool pg_cached = npg <= kDecMaxPages;
+  if (pg_cached)
+    for (int i = tid; i < npg; i += kThreads) pg[i] = __ldcg(bt_r + pg0 + i);
+  __syncthreads();
   auto load_tile = [&](int t, int stage) {
     const int key = tid >> 3, sub = tid & 7;  // 8 threads per key row
     const int pos = kb + t * kDecTile + key;
@@ -408,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     int bytes = 0;
     if (pos < ce) {
       const int lp = pos / p.page_size;
-      const int page = __ldcg(bt_r + lp);
+      const int page = pg_cached ? pg[lp - pg0] : __ldcg(bt_r + lp);
       if (page >= 0 && page < p.num_pages) {
         src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kDecD;
         bytes = 16;
