@@ -67,8 +67,10 @@ OUTPUT_ROWS = 1
 # output op would run and the latent sizes are K2's), "0" (never: A/B runs) or "always" (any
 # one-token-per-request pass, also on CPU where the op runs its reference; tests).  Read at import.
 _MLA_DECODE = os.environ.get("KDTREE_MLA_DECODE", "auto")
-# Its keys per request are walked by 8 blocks per head (each head's cluster reads every key): up to
-# this cache size it beat the three-kernel path (RESULTS.md, runs 73-76); longer caches keep that path.
+# Each head's cluster of 8 blocks reads every key of the request (the three-kernel path reads them once
+# for all heads), so its time grows faster with the context: in isolation (RESULTS.md, run 76) it beat
+# that path up to ~512 keys with 16 heads and ~1024 with 8, and lost 2x at 4096; in the model, with
+# an 832-position cache, it saved 2-4 % a step.  Caches larger than this keep the three kernels.
 DECODE_MAX_KEYS = 1024
 if _MLA_DECODE not in ("auto", "0", "always"):
     raise ValueError(f"KDTREE_MLA_DECODE must be auto, 0 or always, got {_MLA_DECODE!r}")

@@ -1,6 +1,6 @@
 // kdtree::mla_prepare and kdtree::mla_output: the absorbed-MLA steps before and after
-// mla_tree_attention in a decode / tree-verify pass (semantics and the references:
-// torch_kdtree/ops/mla_absorb.py).
+// mla_tree_attention in a decode / tree-verify pass; kdtree::mla_decode: all three for one token per
+// request in one launch (semantics and the references: torch_kdtree/ops/mla_absorb.py).
 //
 // mla_prepare -- grid: h · (dc / 256) absorption blocks, then ceil(M / 8) latent blocks; 256 threads.
 //   - Absorption block (head h, 256 output columns): lane l owns columns 8 l .. 8 l + 7 (16 bytes of

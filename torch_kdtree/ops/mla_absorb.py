@@ -1,5 +1,6 @@
 """The absorbed-MLA steps around ``mla_tree_attention`` in a decode / tree-verify pass:
-``kdtree::mla_prepare`` before it and ``kdtree::mla_output`` after it.
+``kdtree::mla_prepare`` before it and ``kdtree::mla_output`` after it; ``kdtree::mla_decode`` runs
+all three for one token per request (one launch on CUDA).
 
 mla_prepare
 -----------
