@@ -213,10 +213,10 @@ mla_output_kernel(const bf16* __restrict__ o_lat, const bf16* __restrict__ w_kv_
                    (int64_t(m) * heads + h) * dv);
 }
 
-at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& norm_weight, double eps, const at::Tensor& w_kv_b,
-                            at::Tensor& kv_cache, int64_t layer, const at::Tensor& slots, bool interleave) {
-  constexpr const char* op = "kdtree::mla_prepare";
+// The dtype / rank / contiguity / device checks mla_prepare and mla_decode share.
+void check_prepare_tensors(const char* op, const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& norm_weight, const at::Tensor& w_kv_b,
+                           const at::Tensor& kv_cache, const at::Tensor& slots) {
   check_cuda_tensor(q, op, "q", at::kBFloat16, 3);
   check_cuda_tensor(ckv, op, "ckv", at::kBFloat16, 2);
   check_cuda_tensor(cos, op, "cos", at::kFloat, 2);
@@ -225,9 +225,15 @@ at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at
   check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
   check_cuda_tensor(kv_cache, op, "kv_cache", at::kBFloat16, 4);
   check_cuda_tensor(slots, op, "slots", at::kLong, 1);
-  const at::Tensor* others[] = {&ckv, &cos, &sin, &norm_weight, &w_kv_b, &kv_cache, &slots};
-  for (const at::Tensor* t : others)
+  for (const at::Tensor* t : {&ckv, &cos, &sin, &norm_weight, &w_kv_b, &kv_cache, &slots})
     KD_CHECK(t->device() == q.device(), op, ": every tensor must be on ", q.device(), ", got ", t->device());
+}
+
+at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& norm_weight, double eps, const at::Tensor& w_kv_b,
+                            at::Tensor& kv_cache, int64_t layer, const at::Tensor& slots, bool interleave) {
+  constexpr const char* op = "kdtree::mla_prepare";
+  check_prepare_tensors(op, q, ckv, cos, sin, norm_weight, w_kv_b, kv_cache, slots);
   const int64_t M = q.size(0), heads = q.size(1), dc = norm_weight.size(0), D = kv_cache.size(3), dr = D - dc,
                 dn = q.size(2) - dr;
   KD_CHECK(dc % kCols == 0 && dc <= kMaxDc, op, ": the CUDA kernel needs dc (norm_weight's size) a multiple of ",
@@ -624,18 +630,10 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
                            int64_t layer, const at::Tensor& slots, const at::Tensor& block_table,
                            const at::Tensor& cache_lens, double softmax_scale, bool interleave, bool prefix_ready) {
   constexpr const char* op = "kdtree::mla_decode";
-  check_cuda_tensor(q, op, "q", at::kBFloat16, 3);
-  check_cuda_tensor(ckv, op, "ckv", at::kBFloat16, 2);
-  check_cuda_tensor(cos, op, "cos", at::kFloat, 2);
-  check_cuda_tensor(sin, op, "sin", at::kFloat, 2);
-  check_cuda_tensor(norm_weight, op, "norm_weight", at::kBFloat16, 1);
-  check_cuda_tensor(w_kv_b, op, "w_kv_b", at::kBFloat16, 2);
-  check_cuda_tensor(kv_cache, op, "kv_cache", at::kBFloat16, 4);
-  check_cuda_tensor(slots, op, "slots", at::kLong, 1);
+  check_prepare_tensors(op, q, ckv, cos, sin, norm_weight, w_kv_b, kv_cache, slots);
   check_cuda_tensor(block_table, op, "block_table", at::kInt, 2);
   check_cuda_tensor(cache_lens, op, "cache_lens", at::kInt, 1);
-  const at::Tensor* others[] = {&ckv, &cos, &sin, &norm_weight, &w_kv_b, &kv_cache, &slots, &block_table, &cache_lens};
-  for (const at::Tensor* t : others)
+  for (const at::Tensor* t : {&block_table, &cache_lens})
     KD_CHECK(t->device() == q.device(), op, ": every tensor must be on ", q.device(), ", got ", t->device());
   const int64_t R = q.size(0), heads = q.size(1), dn = q.size(2) - kDecDr;
   KD_CHECK(norm_weight.size(0) == kDecDc && kv_cache.size(3) == kDecD, op, ": the CUDA kernel needs K2's latent sizes, "
