@@ -64,6 +64,20 @@ struct Params {
   bool interleave;
 };
 
+// Eight values of the latent norm's output: bf16(w · bf16(v · r)) (KimiK2RMSNorm's roundings), packed.
+__device__ __forceinline__ uint4 norm_row8(uint4 w_raw, const float (&v)[8], float r) {
+  float wn[8];
+  unpack8(w_raw, wn);
+  uint32_t y[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 two = __floats2bfloat162_rn(wn[2 * j] * round_bf16(v[2 * j] * r),
+                                                     wn[2 * j + 1] * round_bf16(v[2 * j + 1] * r));
+    y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
+  }
+  return make_uint4(y[0], y[1], y[2], y[3]);
+}
+
 // Rotated pair j of a dr-wide vector x: (x1 c - x2 s, x2 c + x1 s), stored at j and j + dr / 2.
 __device__ __forceinline__ void rope_pair(const bf16* x, bf16* dst, float c, float s, int j, int dr, bool interleave) {
   const int half = dr / 2;
@@ -177,16 +191,7 @@ __global__ void __launch_bounds__(kThreads) mla_prepare_kernel(Params p) {
     const int g = lane + 32 * i;
     if (8 * g < p.dc) {
       const uint4 nw = __ldg(reinterpret_cast<const uint4*>(p.norm_w + 8 * g));
-      float wn[8];
-      unpack8(nw, wn);
-      uint32_t y[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162 two = __floats2bfloat162_rn(wn[2 * j] * round_bf16(v[i][2 * j] * r),
-                                                         wn[2 * j + 1] * round_bf16(v[i][2 * j + 1] * r));
-        y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
-      }
-      *reinterpret_cast<uint4*>(dst + 8 * g) = make_uint4(y[0], y[1], y[2], y[3]);
+      *reinterpret_cast<uint4*>(dst + 8 * g) = norm_row8(nw, v[i], r);
     }
   }
   const int half = p.dr / 2;
@@ -433,7 +438,8 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
 #pragma unroll
     for (int c = sub; c < kDecChunks; c += 8) dec_cp_async16(dst + c * 16, bytes ? src + c * 8 : p.kv, bytes);
   };
-  static_assert(kThreads / 8 == kDecTile && kDecTile == 32, "one pass of the block loads one stage; warp 0 owns a tile");
+  static_assert(kThreads / 8 == kDecTile && kDecTile == 32,
+                "one pass of the block loads one stage; warp 0 owns a tile");
 #pragma unroll
   for (int st = 0; st < NS; ++st) {
     if (st < tiles) load_tile(st, st);
@@ -469,18 +475,8 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     }
     const float rs = rsqrtf(warp_sum(ss) / float(kDecDc) + p.eps);
 #pragma unroll
-    for (int i = 0; i < kDecDc / 256; ++i) {
-      float wn[8];
-      unpack8(nw[i], wn);
-      uint32_t y[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162 two = __floats2bfloat162_rn(wn[2 * j] * round_bf16(v[i][2 * j] * rs),
-                                                         wn[2 * j + 1] * round_bf16(v[i][2 * j + 1] * rs));
-        y[j] = (uint32_t(__bfloat16_as_ushort(two.y)) << 16) | __bfloat16_as_ushort(two.x);
-      }
-      *reinterpret_cast<uint4*>(newk + 8 * (lane + 32 * i)) = make_uint4(y[0], y[1], y[2], y[3]);
-    }
+    for (int i = 0; i < kDecDc / 256; ++i)
+      *reinterpret_cast<uint4*>(newk + 8 * (lane + 32 * i)) = norm_row8(nw[i], v[i], rs);
     newk[kDecDc + lane] = __float2bfloat16(x1 * cs - x2 * sn);  // rope_pair's arithmetic
     newk[kDecDc + lane + kDecDr / 2] = __float2bfloat16(x2 * cs + x1 * sn);
     __syncwarp();

@@ -355,5 +355,5 @@ def _(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_
     return q.new_empty((R, heads, w_kv_b.shape[0] // heads - dn))
 
 
-__all__ = ["mla_decode", "mla_decode_reference", "mla_output", "mla_output_reference", "mla_prepare", "mla_prepare_reference", "mla_tree_attention_output",
-           "mla_tree_attention_output_reference"]
+__all__ = ["mla_decode", "mla_decode_reference", "mla_output", "mla_output_reference", "mla_prepare",
+           "mla_prepare_reference", "mla_tree_attention_output", "mla_tree_attention_output_reference"]
