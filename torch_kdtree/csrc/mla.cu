@@ -38,6 +38,7 @@
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "cp_async.cuh"
 #include "mla_wuv.cuh"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
@@ -89,18 +90,6 @@ struct Params {
   float scale_log2;            // softmax_scale * log2(e)
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// src_bytes = 0 writes 16 zero bytes and reads nothing (padding rows, keys past the end).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 // Barrier for the 128 threads (4 warps) of one row group; id 0 is __syncthreads'.
 __device__ __forceinline__ void row_group_sync(int rg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(rg + 1) : "memory");

@@ -21,6 +21,7 @@
 // same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
 #include "check.h"
+#include "cp_async.cuh"
 #include "mla_wuv.cuh"
 #include "pdl.cuh"
 #include "warp_reduce.cuh"
@@ -347,18 +348,6 @@ struct DecodeParams {
   bool interleave, early;
 };
 
-__device__ __forceinline__ void dec_cp_async16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void dec_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void dec_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 template <int NS>
 __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t ring[];  // NS stages of kDecTile cache rows
@@ -436,14 +425,14 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     }
     uint8_t* dst = ring + stage * kDecStageBytes + key * kDecRowBytes;
 #pragma unroll
-    for (int c = sub; c < kDecChunks; c += 8) dec_cp_async16(dst + c * 16, bytes ? src + c * 8 : p.kv, bytes);
+    for (int c = sub; c < kDecChunks; c += 8) cp_async16(smem_u32(dst + c * 16), bytes ? src + c * 8 : p.kv, bytes);
   };
   static_assert(kThreads / 8 == kDecTile && kDecTile == 32,
                 "one pass of the block loads one stage; warp 0 owns a tile");
 #pragma unroll
   for (int st = 0; st < NS; ++st) {
     if (st < tiles) load_tile(st, st);
-    dec_cp_async_commit();
+    cp_async_commit();
   }
   if (p.early) pdl_wait();
   pdl_launch_dependents();
@@ -570,11 +559,11 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   // means groups 0 .. t have landed.
   static_assert(NS >= 2, "a refill lags one iteration behind");
   for (int t = 0; t < tiles; ++t) {
-    dec_cp_async_wait<NS - 2>();
+    cp_async_wait<NS - 2>();
     __syncthreads();
     if (t >= 1) {
       if (t - 1 + NS < tiles) load_tile(t - 1 + NS, (t - 1) % NS);
-      dec_cp_async_commit();
+      cp_async_commit();
     }
     tile_step(ring + (t % NS) * kDecStageBytes, min(kDecTile, ce - (kb + t * kDecTile)));
   }
