@@ -61,6 +61,7 @@ def _extension():
     sources = [os.path.join(CSRC, "bindings.cpp")]
     define_macros = []
     extra = {"cxx": ["-O3"]}
+    trace = os.environ.get("KDTREE_TRACE", "0") == "1"  # kernel phase stamps (csrc/trace.cuh), diagnostics only
     if _want_cuda():
         archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
         sources += sorted(glob.glob(os.path.join(CSRC, "*.cu")))
@@ -73,7 +74,9 @@ def _extension():
         except ImportError:
             pass
         extra["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
-                         "-DKDTREE_WITH_CUDA=1"]
+                         "-DKDTREE_WITH_CUDA=1"] + (["-DKDTREE_TRACE=1"] if trace else [])
+        if trace:
+            define_macros.append(("KDTREE_TRACE", "1"))
         return cpp_extension.CUDAExtension(
             "torch_kdtree._C", sources, define_macros=define_macros,
             include_dirs=include_dirs, extra_compile_args=extra)

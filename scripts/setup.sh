@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 STAMP=.venv/.kdtree-build-stamp
-KEY=$(cat setup.py pyproject.toml torch_kdtree/csrc/* | sha256sum | cut -d' ' -f1)-${TORCH_CUDA_ARCH_LIST:-default}-${KDTREE_BUILD_CUDA:-auto}
+KEY=$(cat setup.py pyproject.toml torch_kdtree/csrc/* | sha256sum | cut -d' ' -f1)-${TORCH_CUDA_ARCH_LIST:-default}-${KDTREE_BUILD_CUDA:-auto}-${KDTREE_TRACE:-0}
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && ls torch_kdtree/_C*.so > /dev/null 2>&1; then
   echo "setup: up to date"
 else

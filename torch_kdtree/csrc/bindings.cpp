@@ -4,6 +4,13 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#ifdef KDTREE_TRACE
+#include <tuple>
+namespace kdtree {
+std::tuple<at::Tensor, at::Tensor> trace_take(int64_t mode);  // trace.cu
+}
+#endif
+
 TORCH_LIBRARY(kdtree, m) {
   // DDTree (ddtree.md): best-first tree from per-depth top-K log-probs.
   m.def("ddtree_build(Tensor logprobs, Tensor token_ids, Tensor root_tokens, int budget)"
@@ -98,6 +105,11 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("gemv(Tensor x, Tensor[] weights, Tensor? norm_weight=None, float eps=1e-06, Tensor? up=None,"
         " Tensor? residual=None, int fp32_outputs=0, bool return_input=False) -> Tensor[]");
 
+#ifdef KDTREE_TRACE
+  // A diagnostic build's kernel phase stamps (csrc/trace.cuh; mode 1 zeroes them): stamps [records,
+  // blocks, 16] and each record's kind and grid [records, 3], int64 on the CPU.
+  m.def("_trace(int mode) -> (Tensor stamps, Tensor meta)", &kdtree::trace_take);
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {

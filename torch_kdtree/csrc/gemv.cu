@@ -35,6 +35,7 @@
 #include "bulk_copy.cuh"
 #include "check.h"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -85,6 +86,7 @@ struct Params {
                                   // (ring kernel: 0 or all of its stages)
   int stages;                     // ring kernel: stages per warp (2 .. kMaxStages)
   Segment seg[kMaxWeights];
+  KD_TRACE_FIELD
 };
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -238,6 +240,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   const int nb = (chunks + 32 * kB - 1) / (32 * kB);  // batches per row
   const int stride = int(gridDim.x) * kWarps;
   int rho = int(blockIdx.x) * kWarps + warp, b = 0;
+  KD_TRACE(p.trace, 0);
 
   // the item after (r, bb): the next batch of the row, or the warp's next row
   auto successor = [&](int r, int bb, int& r2, int& b2) {
@@ -261,11 +264,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
       if (rho2 < p.rows_total) load_chunks<kB, true>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
     }
   }
+  KD_TRACE(p.trace, 1);
   pdl_wait();
+  KD_TRACE(p.trace, 2);
   pdl_launch_dependents();
 
   if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue(p, xs, m0, rows, chunks);
+  KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
@@ -292,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
     rho = rho2;
     b = b2;
   }
+  KD_TRACE(p.trace, 4);
 }
 
 // The ring kernel: gemv_kernel's items, order and arithmetic (so the same bits), with the weight
@@ -315,6 +322,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   uint4* xs = smem;
   uint4* ring = smem + p.rows_per_block * chunks + warp * S * kItem;
   uint64_t* bar = bars[warp];
+  KD_TRACE(p.trace, 0);
 
   auto advance = [&](int& r, int& bb) {
     if (++bb == nb) {
@@ -341,11 +349,14 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
       for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
   }
   __syncwarp();
+  KD_TRACE(p.trace, 1);
   pdl_wait();
+  KD_TRACE(p.trace, 2);
   pdl_launch_dependents();
   if (lane == 0 && p.early == 0)
     for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
   prologue(p, xs, m0, rows, chunks);
+  KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
   float acc[kMaxRows];
@@ -355,6 +366,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   for (int j = 0; rho < p.rows_total; ++j) {
     const int s = j % S;
     mbar_wait(bar + s, uint32_t(j / S) & 1u);
+    if (j == 0) KD_TRACE(p.trace, 5);
     const uint4* st = ring + s * kItem;
 #pragma unroll
     for (int u = 0; u < kB; ++u) {
@@ -371,9 +383,14 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
       fence_proxy_async();  // the warp's reads of stage s before the copy that refills it
       produce();
     }
-    if (b == nb - 1) store_row(p, rho, m0, rows, lane, acc);  // row done
+    if (b == nb - 1) {
+      if (j == nb - 1) KD_TRACE(p.trace, 6);
+      store_row(p, rho, m0, rows, lane, acc);  // row done
+      if (j == nb - 1) KD_TRACE(p.trace, 7);
+    }
     advance(rho, b);
   }
+  KD_TRACE(p.trace, 4);
 }
 
 // The two instantiations: 8 chunks per lane per item (2 blocks / SM) or 4 (3 blocks / SM).
@@ -547,6 +564,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     if (ring.max_per_sm > 0) per_sm = std::min(per_sm, ring.max_per_sm);
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms));
+    KD_TRACE_SET(p, kTraceGemv, dim3(unsigned(blocks), unsigned(grid_y)));
     launch_kernel(gemv_ring_kernel<kRingB>, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads),
                   size_t(ring_smem), stream, pdl, p);
     return outs;
@@ -561,6 +579,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident));
+  KD_TRACE_SET(p, kTraceGemv, dim3(unsigned(blocks), unsigned(grid_y)));
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem), stream, pdl, p);
   return outs;
 }

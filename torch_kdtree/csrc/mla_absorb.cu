@@ -24,6 +24,7 @@
 #include "cp_async.cuh"
 #include "mla_wuv.cuh"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -346,6 +347,7 @@ struct DecodeParams {
   int heads, dn, dv, page_size, max_pages, num_pages;
   float eps, scale_log2;
   bool interleave, early;
+  KD_TRACE_FIELD
 };
 
 template <int NS>
@@ -368,6 +370,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gi = tid % kDecGroups, rp = tid / kDecGroups;
   const int64_t head_w = int64_t(h) * (p.dn + p.dv) * kDecDc;
+  KD_TRACE(p.trace, 0);
 
   // ---- before the wait: weights into registers ----
   uint4 wk[kDecRegRows];
@@ -393,6 +396,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // ---- the split's committed keys ----
+  KD_TRACE(p.trace, 1);
   if (!p.early) pdl_wait();
   const int max_keys = p.max_pages * p.page_size;
   const int L = min(max(__ldcg(p.cache_lens + r), 0), max_keys - 1);
@@ -435,6 +439,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     cp_async_commit();
   }
   if (p.early) pdl_wait();
+  KD_TRACE(p.trace, 2);
   pdl_launch_dependents();
 
   // ---- 1. the query, the new token's cache row, q_abs ----
@@ -501,6 +506,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     }
   }
   __syncthreads();
+  KD_TRACE(p.trace, 3);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster has started
   if (tid < kDecCols) {
     float v = 0.f;
@@ -511,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     for (int k = 0; k < kDecC; ++k) cluster.map_shared_rank(qs, k)[s * kDecCols + tid] = b;
   }
   cluster.sync();  // 2. every block's query row is whole
+  KD_TRACE(p.trace, 4);
 
   // Scores: 8 threads per key (tid / 8), each 9 of the row's 72 pieces (tid % 8 + 8 k), summed over
   // the 8; warp 0 runs the online softmax of the tile (max, probabilities, running sum) and every
@@ -561,22 +568,28 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   for (int t = 0; t < tiles; ++t) {
     cp_async_wait<NS - 2>();
     __syncthreads();
+    if (t == 0) KD_TRACE(p.trace, 8);
+    if (t == tiles - 1) KD_TRACE(p.trace, 10);
     if (t >= 1) {
       if (t - 1 + NS < tiles) load_tile(t - 1 + NS, (t - 1) % NS);
       cp_async_commit();
     }
     tile_step(ring + (t % NS) * kDecStageBytes, min(kDecTile, ce - (kb + t * kDecTile)));
+    if (t == 0) KD_TRACE(p.trace, 9);
   }
   if (owner) {
     __syncthreads();  // sc, ps and s_alpha are rewritten
     tile_step(reinterpret_cast<const uint8_t*>(newk), 1);
+    KD_TRACE(p.trace, 11);
   }
   if (tid == 0) {  // warp 0's running max and sum
     part_ml[0] = m_run;
     part_ml[1] = l_run;
   }
   reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
+  KD_TRACE(p.trace, 5);
   cluster.sync();  // 3. every split's partial is in its block's shared memory
+  KD_TRACE(p.trace, 6);
 
   float mk[kDecC], lk[kDecC], mx = -INFINITY;
 #pragma unroll
@@ -600,11 +613,13 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   cluster.sync();  // o_s is whole; no block's shared memory is read after this
   if (uv_warp)
     wuv_rows_times(o_s + 8 * lane, kDecDc / kWuvCols, wv, lane, d0, dv_w, p.out, (int64_t(r) * p.heads + h) * p.dv);
+  KD_TRACE(p.trace, 7);
 }
 
 template <int NS>
-void launch_mla_decode(const DecodeParams& p, int R, cudaStream_t stream) {
+void launch_mla_decode(DecodeParams p, int R, cudaStream_t stream) {
   auto kernel = mla_decode_kernel<NS>;
+  KD_TRACE_SET(p, kTraceMlaDecode, dim3(unsigned(p.heads * kDecC), unsigned(R)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, NS * kDecStageBytes));
   launch_kernel_ex(kernel, dim3(unsigned(p.heads * kDecC), unsigned(R)), dim3(kThreads), dim3(kDecC, 1, 1),
                    size_t(NS) * kDecStageBytes, stream, pdl_enabled("mla"), p);

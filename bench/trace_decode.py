@@ -1,0 +1,94 @@
+"""Phase timeline of one greedy decode step's kernels (a diagnostic; needs a KDTREE_TRACE=1 build).
+
+The traced kernels (csrc/trace.cuh: gemv and mla_decode) stamp %globaltimer at their phases, per
+block; this script replays bench_kimi_decode's CUDA-graph step (its model, prompt and
+compile_step={"combo_kernels": True}) and prints, for each traced launch of the last step in launch
+order, the first / median / last block's time of every phase in microseconds from the step's first
+stamp.  Untraced kernels (moe_route, moe_gemv, int4, inductor's) run between the rows.
+
+  gemv:        0 entry, 1 pre-wait loads issued, 2 wait returned, 3 prologue done, 5 first weight
+               item landed (ring kernel), 6 first row summed, 7 first row stored, 4 rows done (warp 0)
+  mla_decode:  0 entry, 1 pre-wait loads issued, 2 wait returned, 3 q_abs summed, 4 query whole
+               (cluster barrier), 8 first key tile landed, 9 first tile done, 10 last tile landed,
+               11 new key done (its split), 5 keys done, 6 partials visible (cluster barrier), 7 W_UV
+               done (warp 0)
+
+Build and run (GPU):  KDTREE_TRACE=1 TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace
+                      PYTHONPATH=. python bench/trace_decode.py 2p2b [k2_slice]
+"""
+import sys
+
+import torch
+
+KINDS = {1: "gemv", 2: "mla_decode"}
+ORDER = {1: [0, 1, 2, 3, 5, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7]}  # phases in program order
+
+
+def last_step(stamps: torch.Tensor, meta: torch.Tensor, layers: int):
+    """stamped()'s launches of the last step: from the first layer's q_a / kv_a projection on."""
+    rows = stamped(stamps, meta)
+    mla = [j for j, r in enumerate(rows) if r[1] == 2]
+    if len(mla) < layers:
+        raise SystemExit(f"trace: {len(mla)} mla_decode launches stamped, expected >= {layers} (is mla_decode used?)")
+    return rows[max(mla[-layers] - 2, 0):]  # the first layer's q_a / kv_a and q_b projections
+
+
+def print_rows(rows) -> None:
+    """One line per traced launch: its grid, the last block's end and, per phase, the first / median /
+    last block's time (us from the first stamp of `rows`)."""
+    t0 = min(int(r[3][:, 0][r[3][:, 0] > 0].min()) for r in rows)
+    prev_end = None
+    for i, kind, grid, g in rows:
+        us = (g.double() - t0) / 1e3
+        cols = []
+        for j, p in enumerate(ORDER[kind]):
+            v = us[:, j][g[:, j] > 0]
+            if v.numel():
+                cols.append(f"{p}:{v.min():7.2f}/{v.median():7.2f}/{v.max():7.2f}")
+        end = float(us[:, -1][g[:, -1] > 0].max())
+        gap = "" if prev_end is None else f" (+{end - prev_end:5.2f})"
+        prev_end = end
+        print(f"{KINDS.get(kind, kind):>10} {grid[0]:4d}x{grid[1]:<2d} end {end:8.2f}{gap}  " + "  ".join(cols))
+
+
+def stamped(stamps: torch.Tensor, meta: torch.Tensor):
+    """(record index, kind, grid, [blocks, phases in ORDER] ns) of every stamped launch, by start time."""
+    rows = []
+    for i in range(meta.shape[0]):
+        kind, gx, gy = (int(v) for v in meta[i])
+        nb = min(gx * gy, stamps.shape[1])
+        g = stamps[i, :nb, 0::2][:, ORDER.get(kind, [0])]
+        if nb == 0 or bool((g == 0).all()):
+            continue
+        rows.append((i, kind, (gx, gy), g))
+    rows.sort(key=lambda r: int(r[3][:, 0][r[3][:, 0] > 0].min()))
+    return rows
+
+
+def main(name: str) -> None:
+    from bench.bench_generate import target
+    from bench.bench_kimi_decode import _prompt
+
+    if not hasattr(torch.ops.kdtree, "_trace"):
+        raise SystemExit("trace: this build has no kernel stamps; rebuild with KDTREE_TRACE=1")
+    model = target(name)
+    ids = _prompt(model.config.vocab_size)
+    kw = dict(eos_token_id=None, compile_step={"combo_kernels": True}, max_new_tokens=16)
+    model.generate(ids, **kw)  # compile and capture
+    torch.ops.kdtree._trace(1)
+    model.generate(ids, **kw)  # the same session: graph replays overwrite the captured launches' records
+    stamps, meta = torch.ops.kdtree._trace(0)
+    rows = last_step(stamps, meta, model.config.num_hidden_layers)
+    print(f"trace {name}: {len(rows)} traced launches in the last step; us from its first stamp, "
+          f"phase: first / median / last block")
+    print_rows(rows)
+    # the clock64 deltas of phase 2 -> last phase in each block against globaltimer's (resolution check)
+    i, kind, grid, g = rows[len(rows) // 2]
+    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+    print(f"check: record {i} median block, wait->end {((g[:, -1] - g[:, 2]).double().median() / 1e3):.3f} us "
+          f"(globaltimer), {((c[:, -1] - c[:, 2]).median() / 1.98e3):.3f} us (clock64 at 1.98 GHz)")
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or ["2p2b"]:
+        main(n)

@@ -1,0 +1,70 @@
+"""bench/trace_decode.py's reading of kernel phase stamps (csrc/trace.cuh): which launches it keeps,
+their order, the last decode step, and the table it prints.  The stamps come from a KDTREE_TRACE=1
+build on a GPU; here they are made up in the same layout ([records, blocks, 2 x phases] int64,
+globaltimer at even indices, and each record's kind and grid)."""
+import pytest
+import torch
+
+from bench.trace_decode import ORDER, last_step, print_rows, stamped
+
+PHASES = 12
+
+
+def record(kind: int, blocks: int, start_ns: int, step_ns: int = 100):
+    """A launch whose block b stamps its phases in program order, b ns after start."""
+    s = torch.zeros(16, 2 * PHASES, dtype=torch.long)
+    for b in range(blocks):
+        for j, p in enumerate(ORDER[kind]):
+            s[b, 2 * p] = start_ns + b + j * step_ns
+            s[b, 2 * p + 1] = 7  # clock64 (unused here)
+    return s
+
+
+def trace(launches):
+    """(stamps, meta) for [(kind, blocks, start_ns) or None (a record that never ran)]."""
+    stamps, meta = [], []
+    for item in launches:
+        if item is None:
+            stamps.append(torch.zeros(16, 2 * PHASES, dtype=torch.long))
+            meta.append([1, 4, 1])
+        else:
+            kind, blocks, start = item
+            stamps.append(record(kind, blocks, start))
+            meta.append([kind, blocks, 1])
+    return torch.stack(stamps), torch.tensor(meta)
+
+
+def test_stamped_keeps_launches_that_ran_in_start_order():
+    stamps, meta = trace([(1, 4, 5000), None, (2, 8, 1000), (1, 2, 3000)])
+    rows = stamped(stamps, meta)
+    assert [r[0] for r in rows] == [2, 3, 0]  # the empty record 1 is dropped
+    assert [r[1] for r in rows] == [2, 1, 1]
+    assert rows[0][2] == (8, 1) and rows[0][3].shape == (8, len(ORDER[2]))
+    assert rows[2][3].shape == (4, len(ORDER[1]))
+
+
+def test_last_step_starts_two_launches_before_its_first_attention():
+    # two steps of one layer each: q_a, q_b, mla_decode, o_proj
+    launches = [(1, 4, 0), (1, 4, 1000), (2, 8, 2000), (1, 4, 3000),
+                (1, 4, 10000), (1, 4, 11000), (2, 8, 12000), (1, 4, 13000)]
+    stamps, meta = trace(launches)
+    rows = last_step(stamps, meta, layers=1)
+    assert [r[0] for r in rows] == [4, 5, 6, 7]
+    with pytest.raises(SystemExit, match="2 mla_decode launches stamped, expected >= 3"):
+        last_step(stamps, meta, layers=3)
+
+
+def test_print_rows_reports_phases_from_the_first_stamp(capsys):
+    stamps, meta = trace([(1, 4, 2000), (2, 8, 4000)])
+    print_rows(stamped(stamps, meta))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    gemv, mla = lines
+    # gemv: phase 0 of blocks 0..3 at 0..3 ns; its last phase (4, 8th in order) at 700 + 3 ns
+    assert gemv.split()[0] == "gemv" and "4x1" in gemv
+    assert float(gemv.split("end")[1].split()[0]) == pytest.approx(0.70, abs=0.006)
+    assert "0:   0.00/   0.00/   0.00" in gemv
+    # mla_decode starts 2 us later; its last phase (7, 12th in order) at 2000 + 1100 + 7 ns
+    assert mla.split()[0] == "mla_decode"
+    assert float(mla.split("end")[1].split()[0]) == pytest.approx(3.11, abs=0.006)
+    assert "(+ 2.40)" in mla
