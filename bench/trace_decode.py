@@ -1,10 +1,11 @@
 """Phase timeline of one greedy decode step's kernels (a diagnostic; needs a KDTREE_TRACE=1 build).
 
-The traced kernels (csrc/trace.cuh: gemv and mla_decode) stamp %globaltimer at their phases, per
-block; this script replays bench_kimi_decode's CUDA-graph step (its model, prompt and
-compile_step={"combo_kernels": True}) and prints, for each traced launch of the last step in launch
-order, the first / median / last block's time of every phase in microseconds from the step's first
-stamp.  Untraced kernels (moe_route, moe_gemv, int4, inductor's) run between the rows.
+The traced kernels (csrc/trace.cuh: gemv, mla_decode, moe_route and moe_gemv's two) stamp
+%globaltimer at their phases, per block; this script replays bench_kimi_decode's CUDA-graph step
+(its model, prompt and compile_step={"combo_kernels": True}) and prints, for each traced launch of
+the last step in launch order, the first / median / last block's time of every phase in
+microseconds from the step's first stamp.  Untraced kernels (int4_moe's, inductor's) run between
+the rows.
 
   gemv:        0 entry, 1 pre-wait loads issued, 2 wait returned, 3 prologue done, 5 first weight
                item landed (ring kernel), 6 first row summed, 7 first row stored, 4 rows done (warp 0)
@@ -12,6 +13,9 @@ stamp.  Untraced kernels (moe_route, moe_gemv, int4, inductor's) run between the
                (cluster barrier), 8 first key tile landed, 9 first tile done, 10 last tile landed,
                11 new key done (its split), 5 keys done, 6 partials visible (cluster barrier), 7 W_UV
                done (warp 0)
+  moe_route:   0 entry, 2 wait returned, 4 choice written
+  moe_gate_up / moe_down:  0 entry, 1 pre-wait prefetches / loads issued, 2 wait returned, 3 warp 0's
+               sums done, 4 its output stored
 
 Build and run (GPU):  KDTREE_TRACE=1 TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace
                       PYTHONPATH=. python bench/trace_decode.py 2p2b [k2_slice]
@@ -20,8 +24,9 @@ import sys
 
 import torch
 
-KINDS = {1: "gemv", 2: "mla_decode"}
-ORDER = {1: [0, 1, 2, 3, 5, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7]}  # phases in program order
+KINDS = {1: "gemv", 2: "mla_decode", 3: "moe_route", 4: "moe_gate_up", 5: "moe_down"}
+ORDER = {1: [0, 1, 2, 3, 5, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7], 3: [0, 2, 4],
+         4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 3, 4]}  # each kind's phases in program order
 
 
 def last_step(stamps: torch.Tensor, meta: torch.Tensor, layers: int):
@@ -48,7 +53,7 @@ def print_rows(rows) -> None:
         end = float(us[:, -1][g[:, -1] > 0].max())
         gap = "" if prev_end is None else f" (+{end - prev_end:5.2f})"
         prev_end = end
-        print(f"{KINDS.get(kind, kind):>10} {grid[0]:4d}x{grid[1]:<2d} end {end:8.2f}{gap}  " + "  ".join(cols))
+        print(f"{KINDS.get(kind, kind):>11} {grid[0]:4d}x{grid[1]:<2d} end {end:8.2f}{gap}  " + "  ".join(cols))
 
 
 def stamped(stamps: torch.Tensor, meta: torch.Tensor):

@@ -68,3 +68,21 @@ def test_print_rows_reports_phases_from_the_first_stamp(capsys):
     assert mla.split()[0] == "mla_decode"
     assert float(mla.split("end")[1].split()[0]) == pytest.approx(3.11, abs=0.006)
     assert "(+ 2.40)" in mla
+
+
+def test_kinds_and_phases_match_trace_cuh():
+    """The script's kinds and phase lists agree with csrc/trace.cuh (the kernels' side)."""
+    import re
+    from pathlib import Path
+
+    from bench.trace_decode import KINDS
+
+    src = (Path(__file__).resolve().parents[1] / "torch_kdtree" / "csrc" / "trace.cuh").read_text()
+    phases = int(re.search(r"kTracePhases = (\d+);", src).group(1))
+    enum = dict((int(v), n) for n, v in re.findall(r"kTrace(\w+) = (\d+)", re.search(r"enum TraceKind[^}]*}", src).group(0)))
+    assert phases == PHASES
+    assert sorted(enum) == sorted(KINDS) == sorted(ORDER)
+    for kind, name in enum.items():
+        camel = "".join(w.capitalize() for w in KINDS[kind].split("_"))
+        assert camel.lower() == name.lower(), (kind, name, KINDS[kind])
+        assert len(set(ORDER[kind])) == len(ORDER[kind]) and all(0 <= p < phases for p in ORDER[kind])

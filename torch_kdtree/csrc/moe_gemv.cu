@@ -23,6 +23,7 @@
 #include "bf16_vec.cuh"
 #include "check.h"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -77,8 +78,9 @@ __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
                    int I, const __nv_bfloat16* __restrict__ shared_gate, const __nv_bfloat16* __restrict__ shared_up,
-                   int Is, int T, __nv_bfloat16* __restrict__ act) {
+                   int Is, int T, __nv_bfloat16* __restrict__ act KD_TRACE_PARAM) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  KD_TRACE(trace, 0);
   const int slot = blockIdx.y;
   const bool is_shared = slot >= T * k;
   const int t = is_shared ? slot - T * k : slot / k;
@@ -89,7 +91,9 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     l2_prefetch_range(shared_gate + int64_t(i) * H, int64_t(H) * 2, lane);
     l2_prefetch_range(shared_up + int64_t(i) * H, int64_t(H) * 2, lane);
   }
+  KD_TRACE(trace, 1);
   pdl_wait();
+  KD_TRACE(trace, 2);
   pdl_launch_dependents();
   if (i >= rows) return;
   const int e = is_shared ? 0 : ids[slot];
@@ -105,6 +109,7 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kSync>(gr, ur, xr, c, g, u);
     for (; c < chunks; c += 32) gate_up_chunks<1, kSync>(gr, ur, xr, c, g, u);
   }
+  KD_TRACE(trace, 3);
   g = warp_sum(g);
   u = warp_sum(u);
   if (lane == 0) {
@@ -112,14 +117,16 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     const int64_t at = is_shared ? int64_t(T) * k * I + int64_t(t) * Is + i : int64_t(slot) * I + i;
     act[at] = __float2bfloat16(silu_mul(gb, ub));
   }
+  KD_TRACE(trace, 4);
 }
 
 __global__ void __launch_bounds__(kThreads, 2)  // two blocks per SM: H / 8 blocks per token in one wave
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
                 const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
-                const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out) {
+                const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out KD_TRACE_PARAM) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  KD_TRACE(trace, 0);
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
   const int chunks = I / 8, schunks = Is / 8;
   // The first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows (w0) and of the
@@ -155,7 +162,9 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
     for (int q = 0; q < kSlotBatch; ++q) e0[q] = es[q] >= 0 && es[q] < E ? es[q] : -1;
     if (early) first_loads(e0, [](const uint4* a) { return ld_stream_early(a); });
   }
+  KD_TRACE(trace, 1);
   pdl_wait();
+  KD_TRACE(trace, 2);
   pdl_launch_dependents();
   if (h >= H) return;
   if (!early) first_loads(e0, [](const uint4* a) { return ld_stream(a); });
@@ -224,6 +233,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
     for (int c = lane + 32 * kSharedBatch; c < schunks; c += 32) sd = dot8(ld_stream(sr + c), __ldg(sar + c), sd);
     acc += sd;
   }
+  KD_TRACE(trace, 3);
   acc = warp_sum(acc);
   if (lane == 0) {
     const int64_t at = int64_t(t) * H + h;
@@ -231,6 +241,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
     if (residual != nullptr) y = round_bf16(acc) + __bfloat162float(residual[at]);
     out[at] = __float2bfloat16(y);
   }
+  KD_TRACE(trace, 4);
 }
 
 at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
@@ -303,16 +314,18 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   // KDTREE_MOE_GEMV_SYNC=0: the gate/up kernel without its load barrier (A/B runs).
   const char* sync_env = std::getenv("KDTREE_MOE_GEMV_SYNC");
   const bool sync = sync_env == nullptr || std::strcmp(sync_env, "0") != 0;
-  launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, dim3(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0))),
+  const dim3 gu_grid(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0)));
+  launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, gu_grid,
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
-                int(Is), int(T), actp);
-  launch_kernel(moe_down_kernel, dim3(unsigned((H + kWarps - 1) / kWarps), unsigned(T)), dim3(kThreads), 0, stream, pdl,
+                int(Is), int(T), actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
+  const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
+  launch_kernel(moe_down_kernel, down_grid, dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
                 prewait_enabled("moe_gemv"),
                 residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr()) : nullptr,
-                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) KD_TRACE_ARG(kTraceMoeDown, down_grid));
   return out;
 }
 

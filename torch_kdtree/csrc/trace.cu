@@ -14,7 +14,7 @@
 namespace kdtree {
 namespace {
 
-constexpr int64_t kTraceRecords = 2048;
+constexpr int64_t kTraceRecords = 1024;
 constexpr int64_t kRecordWords = int64_t(kTraceMaxBlocks) * kTraceStamps;
 
 struct TraceState {

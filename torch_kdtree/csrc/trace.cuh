@@ -13,11 +13,11 @@
 
 namespace kdtree {
 
-constexpr int kTraceMaxBlocks = 512;
+constexpr int kTraceMaxBlocks = 1024;
 constexpr int kTracePhases = 12;
 constexpr int kTraceStamps = 2 * kTracePhases;
 
-enum TraceKind : int { kTraceGemv = 1, kTraceMlaDecode = 2 };
+enum TraceKind : int { kTraceGemv = 1, kTraceMlaDecode = 2, kTraceMoeRoute = 3, kTraceMoeGateUp = 4, kTraceMoeDown = 5 };
 
 #ifdef KDTREE_TRACE
 // This launch's record (nullptr once every record is taken); allocated on the first call, which
@@ -37,10 +37,15 @@ __device__ __forceinline__ void trace_stamp(uint64_t* rec, int phase) {
 #define KD_TRACE(rec, phase) ::kdtree::trace_stamp((rec), (phase))
 #define KD_TRACE_FIELD uint64_t* trace = nullptr;
 #define KD_TRACE_SET(p, kind, grid) ((p).trace = ::kdtree::trace_record((kind), (grid).x, (grid).y))
+// for kernels with plain argument lists: a last parameter `trace` and its launch argument
+#define KD_TRACE_PARAM , uint64_t* trace
+#define KD_TRACE_ARG(kind, grid) , ::kdtree::trace_record((kind), (grid).x, (grid).y)
 #else
 #define KD_TRACE(rec, phase) ((void)0)
 #define KD_TRACE_FIELD
 #define KD_TRACE_SET(p, kind, grid) ((void)0)
+#define KD_TRACE_PARAM
+#define KD_TRACE_ARG(kind, grid)
 #endif
 
 }  // namespace kdtree
