@@ -29,6 +29,11 @@ ORDER = {1: [0, 1, 2, 3, 5, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7],
          4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 3, 4]}  # each kind's phases in program order
 
 
+def _start(g: torch.Tensor) -> int:
+    """A launch's first stamp (its earliest block's entry, ns)."""
+    return int(g[:, 0][g[:, 0] > 0].min())
+
+
 def last_step(stamps: torch.Tensor, meta: torch.Tensor, layers: int):
     """stamped()'s launches of the last step: from the first layer's q_a / kv_a projection on."""
     rows = stamped(stamps, meta)
@@ -41,7 +46,7 @@ def last_step(stamps: torch.Tensor, meta: torch.Tensor, layers: int):
 def print_rows(rows) -> None:
     """One line per traced launch: its grid, the last block's end and, per phase, the first / median /
     last block's time (us from the first stamp of `rows`)."""
-    t0 = min(int(r[3][:, 0][r[3][:, 0] > 0].min()) for r in rows)
+    t0 = min(_start(r[3]) for r in rows)
     prev_end = None
     for i, kind, grid, g in rows:
         us = (g.double() - t0) / 1e3
@@ -62,12 +67,21 @@ def stamped(stamps: torch.Tensor, meta: torch.Tensor):
     for i in range(meta.shape[0]):
         kind, gx, gy = (int(v) for v in meta[i])
         nb = min(gx * gy, stamps.shape[1])
-        g = stamps[i, :nb, 0::2][:, ORDER.get(kind, [0])]
+        g = stamps[i, :nb, 0::2][:, ORDER[kind]]
         if nb == 0 or bool((g == 0).all()):
             continue
         rows.append((i, kind, (gx, gy), g))
-    rows.sort(key=lambda r: int(r[3][:, 0][r[3][:, 0] > 0].min()))
+    rows.sort(key=lambda r: _start(r[3]))
     return rows
+
+
+def wait_to_end(stamps: torch.Tensor, row, clock_ghz: float = 1.98) -> tuple[float, float]:
+    """A launch's median block time from "wait returned" (phase 2) to its last phase, in us, by
+    %globaltimer and by clock64 (the resolution check: the two should agree)."""
+    i, kind, _, g = row
+    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+    w = ORDER[kind].index(2)
+    return float((g[:, -1] - g[:, w]).double().median() / 1e3), float((c[:, -1] - c[:, w]).median() / (clock_ghz * 1e3))
 
 
 def main(name: str) -> None:
@@ -87,11 +101,9 @@ def main(name: str) -> None:
     print(f"trace {name}: {len(rows)} traced launches in the last step; us from its first stamp, "
           f"phase: first / median / last block")
     print_rows(rows)
-    # the clock64 deltas of phase 2 -> last phase in each block against globaltimer's (resolution check)
-    i, kind, grid, g = rows[len(rows) // 2]
-    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
-    print(f"check: record {i} median block, wait->end {((g[:, -1] - g[:, 2]).double().median() / 1e3):.3f} us "
-          f"(globaltimer), {((c[:, -1] - c[:, 2]).median() / 1.98e3):.3f} us (clock64 at 1.98 GHz)")
+    i = rows[len(rows) // 2][0]
+    gt, ck = wait_to_end(stamps, rows[len(rows) // 2])
+    print(f"check: record {i} median block, wait->end {gt:.3f} us (globaltimer), {ck:.3f} us (clock64 at 1.98 GHz)")
 
 
 if __name__ == "__main__":

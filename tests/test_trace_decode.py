@@ -5,7 +5,7 @@ globaltimer at even indices, and each record's kind and grid)."""
 import pytest
 import torch
 
-from bench.trace_decode import ORDER, last_step, print_rows, stamped
+from bench.trace_decode import ORDER, last_step, print_rows, stamped, wait_to_end
 
 PHASES = 12
 
@@ -68,6 +68,16 @@ def test_print_rows_reports_phases_from_the_first_stamp(capsys):
     assert mla.split()[0] == "mla_decode"
     assert float(mla.split("end")[1].split()[0]) == pytest.approx(3.11, abs=0.006)
     assert "(+ 2.40)" in mla
+
+
+def test_wait_to_end_reads_each_kinds_wait_column():
+    """Phase 2 ("wait returned") sits at a different column per kind (moe_route has no phase 1)."""
+    stamps, meta = trace([(3, 4, 1000), (1, 4, 5000)])
+    stamps[:, :, 1::2] = stamps[:, :, 0::2] * 2  # clock64 at 2 GHz ticking with the globaltimer
+    route, gemv = stamped(stamps, meta)
+    # moe_route: phases 0, 2, 4 at 0, 100, 200 ns after start; gemv: phase 2 is 3rd of 8 (200 ns), 4 last (700)
+    assert wait_to_end(stamps, route, clock_ghz=2.0) == pytest.approx((0.1, 0.1))
+    assert wait_to_end(stamps, gemv, clock_ghz=2.0) == pytest.approx((0.5, 0.5))
 
 
 def test_kinds_and_phases_match_trace_cuh():

@@ -107,7 +107,7 @@ TORCH_LIBRARY(kdtree, m) {
 
 #ifdef KDTREE_TRACE
   // A diagnostic build's kernel phase stamps (csrc/trace.cuh; mode 1 zeroes them): stamps [records,
-  // blocks, 16] and each record's kind and grid [records, 3], int64 on the CPU.
+  // kTraceMaxBlocks, 2 x kTracePhases] and each record's kind and grid [records, 3], int64 on the CPU.
   m.def("_trace(int mode) -> (Tensor stamps, Tensor meta)", &kdtree::trace_take);
 #endif
 }

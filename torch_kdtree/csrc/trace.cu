@@ -16,6 +16,7 @@ namespace {
 
 constexpr int64_t kTraceRecords = 1024;
 constexpr int64_t kRecordWords = int64_t(kTraceMaxBlocks) * kTraceStamps;
+constexpr size_t kBufferBytes = size_t(kTraceRecords * kRecordWords * 8);
 
 struct TraceState {
   std::mutex mu;
@@ -42,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> trace_take(int64_t mode) {
   if (s.buf != nullptr) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     if (mode == 1) {
-      C10_CUDA_CHECK(cudaMemset(s.buf, 0, size_t(kTraceRecords * kRecordWords * 8)));
+      C10_CUDA_CHECK(cudaMemset(s.buf, 0, kBufferBytes));
       C10_CUDA_CHECK(cudaDeviceSynchronize());
     } else if (n > 0) {
       C10_CUDA_CHECK(cudaMemcpy(stamps.data_ptr(), s.buf, size_t(n * kRecordWords * 8), cudaMemcpyDeviceToHost));
@@ -55,8 +56,8 @@ uint64_t* trace_record(int kind, unsigned grid_x, unsigned grid_y) {
   TraceState& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.buf == nullptr) {
-    C10_CUDA_CHECK(cudaMalloc(&s.buf, size_t(kTraceRecords * kRecordWords * 8)));
-    C10_CUDA_CHECK(cudaMemset(s.buf, 0, size_t(kTraceRecords * kRecordWords * 8)));
+    C10_CUDA_CHECK(cudaMalloc(&s.buf, kBufferBytes));
+    C10_CUDA_CHECK(cudaMemset(s.buf, 0, kBufferBytes));
   }
   const int64_t i = int64_t(s.meta.size()) / 3;
   if (i >= kTraceRecords) return nullptr;
