@@ -310,8 +310,9 @@ at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, in
 //      block's query row; the rope half rotated locally; the block whose keys end at the new token
 //      computes its cache row (kv_a_layernorm, rope) and, for head 0, writes it to the cache;
 //   2. cluster barrier; the split's keys [kb, ke) of the L + 1 (chunk = ceil((L + 1) / 8) rounded up
-//      to 32): scores by warps (one key per warp at a time, a warp sum), an online softmax in fp32,
-//      the unnormalised latent sum held as two dims per thread; the new key from shared memory;
+//      to 32), a 32-key tile at a time: scores by 8 threads per key, warp 0 runs the tile's online
+//      softmax in fp32, the unnormalised latent sum held as two dims per thread; the new key from
+//      shared memory;
 //   3. cluster barrier; every block merges the 8 partials read from the other blocks' shared memory
 //      (fixed order, so all 8 agree), rounds the latent row to bf16 and multiplies its W_UV rows
 //      (mla_wuv.cuh); a last barrier keeps every block's shared memory alive until all have read it.
