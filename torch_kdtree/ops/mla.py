@@ -58,16 +58,23 @@ def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=Non
             raise ValueError(f"{op}: lse must be [R, N, H] = {(R, N, H)}, got {tuple(lse.shape)}")
     if not value_checks_active(cache_lens) or R == 0:
         return
-    num_pages, page_size, _ = kv_cache.shape
+    check_pages(op, kv_cache.shape[0], kv_cache.shape[1], block_table, cache_lens, N)
+
+
+def check_pages(op: str, num_pages: int, page_size: int, block_table: torch.Tensor, cache_lens: torch.Tensor,
+                n: int) -> None:
+    """Value checks (they read the tensors) of a paged cache's block table for n new positions per
+    request: cache_lens non-negative, and the entries covering positions [0, cache_lens + n) present
+    and page ids in [0, num_pages)."""
     if (cache_lens < 0).any():
         raise ValueError(f"{op}: cache_lens must be non-negative")
-    need_pages = (cache_lens.long() + N + page_size - 1) // page_size
+    need_pages = (cache_lens.long() + n + page_size - 1) // page_size
     if (need_pages > block_table.shape[1]).any():
-        raise ValueError(f"{op}: block_table has {block_table.shape[1]} pages per request, too few for "
-                         f"cache_lens + N = {int(cache_lens.max()) + N} positions with page_size {page_size}")
+        raise ValueError(f"{op}: block_table has {block_table.shape[1]} pages per request, too few for positions "
+                         f"[0, cache_lens + {n}) = {int(cache_lens.max()) + n} positions with page_size {page_size}")
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need_pages[:, None]
     if (used & ((block_table < 0) | (block_table >= num_pages))).any():
-        raise ValueError(f"{op}: block_table entries covering cache_lens + N positions must be page ids "
+        raise ValueError(f"{op}: block_table entries covering positions [0, cache_lens + {n}) must be page ids "
                          f"in [0, {num_pages})")
 
 

@@ -281,18 +281,11 @@ def _check_decode(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, s
         raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
     if not value_checks_active(cache_lens) or R == 0:
         return
-    num_pages, page_size = kv_cache.shape[1], kv_cache.shape[2]
+    from .mla import check_pages
+
+    page_size = kv_cache.shape[2]
+    check_pages(op, kv_cache.shape[1], page_size, block_table, cache_lens, 1)  # the committed keys and the new one
     pos = cache_lens.long()
-    if (pos < 0).any():
-        raise ValueError(f"{op}: cache_lens must be non-negative")
-    if (pos // page_size >= block_table.shape[1]).any():
-        raise ValueError(f"{op}: block_table has {block_table.shape[1]} pages per request, too few for position "
-                         f"cache_lens = {int(pos.max())} with page_size {page_size}")
-    need = (pos + page_size) // page_size  # pages covering positions [0, cache_lens]
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
-    if (used & ((block_table < 0) | (block_table >= num_pages))).any():
-        raise ValueError(f"{op}: block_table entries covering positions [0, cache_lens] must be page ids in "
-                         f"[0, {num_pages})")
     page = block_table.long().gather(1, (pos // page_size)[:, None])[:, 0]
     if not torch.equal(slots, page * page_size + pos % page_size):
         raise ValueError(f"{op}: slots[r] must be the cache slot of position cache_lens[r] (the new token's entry, "
