@@ -18,7 +18,10 @@ baselines get the routing's sort and expert list precomputed on the host (not ti
 eager_us is pytest-benchmark's eager call + synchronisation (Python and launches included).
 gpu_us is the default path: for T · k <= 32 the two-launch decode path (csrc/moe_decode.cu), and
 then grouped_path_us times the same calls on the four-launch grouped GEMMs (KDTREE_INT4_DECODE=0)
-in the same run; above that the grouped GEMMs.
+in the same run; above that the grouped GEMMs.  shared_fused_us (decode-sized calls) times
+int4_moe with a bf16 shared expert (Is = I, two cycled weight copies) and a residual computed inside
+the same two launches, as the Kimi model's INT4 decode step calls it (its extra bytes are not in
+``bytes``).
 """
 import math
 import os
@@ -26,7 +29,7 @@ import os
 import pytest
 import torch
 
-from torch_kdtree.ops import int4_moe_out, int4_moe_weights, int4_moe_workspace
+from torch_kdtree.ops import int4_moe, int4_moe_out, int4_moe_weights, int4_moe_workspace
 
 from .conftest import cuda_time_us, hbm_bandwidth_gbs, record, requires_cuda
 
@@ -175,6 +178,15 @@ def measure(shape: str, T: int) -> dict:
                 del os.environ["KDTREE_INT4_DECODE"]
             else:
                 os.environ["KDTREE_INT4_DECODE"] = before
+    shared_us = None  # decode-sized calls: with a bf16 shared expert (Is = I) and a residual fused in
+    if T * k <= 32:
+        gen_s = torch.Generator(device="cuda").manual_seed(T + 1)
+        shared = [tuple((torch.randn(sh, generator=gen_s, device="cuda") / math.sqrt(sh[1])).to(torch.bfloat16)
+                        for sh in ((I, H), (I, H), (H, I))) for _ in range(LAYERS)]
+        res = torch.randn((T, H), generator=gen_s, device="cuda").to(torch.bfloat16)
+        idx = {id(layer): i for i, layer in enumerate(layers)}
+        shared_us = cuda_time_us(cycling(lambda c: int4_moe(c.x, c.layer.int4, c.ids, c.tw,
+                                                            shared=shared[idx[id(c.layer)]], residual=res), calls))
     bf16_us = cuda_time_us(cycling(lambda c: bf16_moe(c, c.layer.w13, c.layer.w2, False, use_grouped), calls))
     torch.cuda.empty_cache()
     dequant_us = cuda_time_us(cycling(lambda c: dequant_moe(c, use_grouped), calls), calls_per_graph=4, replays=3)
@@ -183,7 +195,7 @@ def measure(shape: str, T: int) -> dict:
     nbytes = touched * expert_bytes(H, I) + 2 * T * H * 2
     gbs = nbytes / (us * 1e-6) / 1e9
     return dict(shape=shape, E=E, H=H, I=I, k=k, T=T, experts_touched=touched, mbytes=nbytes / 1e6, gpu_us=us,
-                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, grouped_path_us=grouped_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
+                gbs=gbs, hbm_gbs=hbm, hbm_ratio=gbs / hbm, grouped_path_us=grouped_us, shared_fused_us=shared_us, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us,
                 dequant_us=dequant_us, speedup_vs_dequant=dequant_us / us,
                 bf16_path="grouped_mm" if use_grouped else "per-expert loop"), calls, ws
 

@@ -6,7 +6,8 @@
 Covers the K2 hidden size (H = 7168) with I = 256 on a few experts: the decode path (T·k <= 32:
 cp.async rings, gate/up K splits reduced through a thread-block cluster; once with an expert map
 and int64 ids), the grouped GEMMs with block_size 32 and 64 (T·k > 32), an expert map, int64 ids,
-and the repack.
+and the repack; then decode-path calls with a shared expert (Is = 256, and Is = 200, which leaves
+idle shared blocks; one with 3 gate/up K splits) and a residual.
 Exits non-zero if a result is off (relative error > 1e-2 against the reference).  With
 ``--decode-only`` it runs only the decode-path calls (racecheck is slow on the grouped GEMMs).
 """
@@ -53,6 +54,21 @@ def main():
         ref = int4_moe_reference(x, *w[:4], ids, tw, m, 32)
         err = float((out.double() - ref.double()).norm() / ref.double().norm())
         print(f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map}: rel err {err:.2e}")
+        ok &= err <= 1e-2 and not torch.isnan(out).any().item()
+    for T, k, Is, splits in [(1, 8, 256, None), (3, 4, 200, "3")]:
+        if splits is not None:
+            os.environ["KDTREE_INT4_DECODE_SPLITS"] = splits
+        x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.rand((T, E), generator=gen, device="cuda").argsort(1)[:, :k].to(torch.int32).contiguous()
+        tw = torch.rand((T, k), generator=gen, device="cuda")
+        shared = [(torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])).to(torch.bfloat16)
+                  for shape in ((Is, H), (Is, H), (H, Is))]
+        res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.ops.kdtree.int4_moe(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
+        ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
+        os.environ.pop("KDTREE_INT4_DECODE_SPLITS", None)
+        err = float((out.double() - ref.double()).norm() / ref.double().norm())
+        print(f"T={T} k={k} shared Is={Is} splits={splits} + residual: rel err {err:.2e}")
         ok &= err <= 1e-2 and not torch.isnan(out).any().item()
     torch.cuda.synchronize()
     print("OK" if ok else "MISMATCH")

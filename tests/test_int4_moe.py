@@ -184,6 +184,67 @@ def test_reference_in_bfloat16_rounds_only_at_the_end(fresh_seed):
     assert rel_err(got, want) < 5e-3
 
 
+def shared_oracle(x, sg, su, sd):
+    """float64 shared expert, one token at a time."""
+    x, sg, su, sd = x.double().cpu(), sg.double().cpu(), su.double().cpu(), sd.double().cpu()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        g, u = sg @ x[t], su @ x[t]
+        out[t] = sd @ (g * torch.sigmoid(g) * u)
+    return out
+
+
+def make_shared(gen, H, Is, dtype=torch.float32, device="cpu"):
+    scale = 1 / math.sqrt(H)
+    sg, su = (torch.randn((Is, H), generator=gen, device=device) * scale for _ in range(2))
+    sd = torch.randn((H, Is), generator=gen, device=device) / math.sqrt(Is)
+    return sg.to(dtype), su.to(dtype), sd.to(dtype)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_reference_with_shared_expert_and_residual_matches_oracle(fresh_seed, with_residual):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    E, H, I, Is, T, k = 7, 128, 64, 48, 5, 3
+    gate, up, down = make_experts(gen, E, H, I)
+    w = weights_of(gate, up, down, 32)
+    x = torch.randn((T, H), generator=gen)
+    ids, tw = make_routing(gen, T, k, E)
+    sg, su, sd = make_shared(gen, H, Is)
+    res = torch.randn((T, H), generator=gen) if with_residual else None
+    got = int4_moe(x, w, ids, tw, shared=(sg, su, sd), residual=res)
+    want = moe_oracle(x, gate, up, down, ids, tw, 32) + shared_oracle(x, sg, su, sd)
+    if res is not None:
+        want = want + res.double()
+    assert rel_err(got, want) < 1e-5
+    # the residual alone, and rounding in bf16: out = bf16(residual + bf16(sum))
+    xb, rb = x.to(torch.bfloat16), torch.randn((T, H), generator=gen).to(torch.bfloat16)
+    plain = int4_moe(xb, w, ids, tw)
+    assert torch.equal(int4_moe(xb, w, ids, tw, residual=rb), (rb.float() + plain.float()).to(torch.bfloat16))
+
+
+def test_shared_expert_and_residual_bad_inputs_raise(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    gate, up, down = make_experts(gen, 4, 128, 64)
+    w = weights_of(gate, up, down, 32)
+    x = torch.randn((3, 128), generator=gen)
+    ids, tw = make_routing(gen, 3, 2, 4)
+    sg, su, sd = make_shared(gen, 128, 32)
+    with pytest.raises(ValueError, match="come together"):
+        torch.ops.kdtree.int4_moe(x, *w[:4], ids, tw, None, 32, 8, 1, sg, su, None, None)
+    with pytest.raises(ValueError, match=r"shared must be a \(gate, up, down\) tuple"):
+        int4_moe(x, w, ids, tw, shared=(sg, su))
+    with pytest.raises(ValueError, match=r"shared_gate / shared_up must be \[Is, H = 128\]"):
+        int4_moe(x, w, ids, tw, shared=(sg, su, sd[:, :16].contiguous()))
+    with pytest.raises(ValueError, match="positive multiple of 8"):
+        int4_moe(x, w, ids, tw, shared=(sg[:12], su[:12], sd[:, :12].contiguous()))
+    with pytest.raises(TypeError, match="shared_up must be"):
+        int4_moe(x, w, ids, tw, shared=(sg, su.double(), sd))
+    with pytest.raises(ValueError, match=r"residual must be \[T, H\]"):
+        int4_moe(x, w, ids, tw, residual=x[:2])
+    with pytest.raises(TypeError, match="residual must be"):
+        int4_moe(x, w, ids, tw, residual=x.to(torch.bfloat16))
+
+
 def test_reference_with_expert_map_skips_experts_of_other_ranks(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     E_global, E, H, I = 12, 5, 128, 64
@@ -329,6 +390,9 @@ def test_opcheck_cpu(small_moe):
     out = torch.empty_like(x)
     ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8)
     torch.library.opcheck(torch.ops.kdtree.int4_moe_out.default, (*args, ws, out))
+    gen = torch.Generator().manual_seed(0)
+    shared = make_shared(gen, x.shape[1], 16, x.dtype)
+    torch.library.opcheck(torch.ops.kdtree.int4_moe.default, (*args, *shared, torch.randn_like(x)))
 
 
 def test_compiles_with_fullgraph_on_cpu(small_moe):
@@ -347,6 +411,10 @@ def test_compiles_with_fullgraph_on_cpu(small_moe):
     got = compiled(x, ids, tw, out, ws)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     assert torch.equal(out, int4_moe(x, w, ids, tw))
+    shared = make_shared(torch.Generator().manual_seed(1), x.shape[1], 16, x.dtype)
+    res = torch.randn_like(x)
+    fused = torch.compile(lambda x, ids, tw, r: int4_moe(x, w, ids, tw, shared=shared, residual=r), fullgraph=True)
+    assert torch.equal(fused(x, ids, tw, res), int4_moe(x, w, ids, tw, shared=shared, residual=res))
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,6 +735,83 @@ def test_cuda_decode_path_k_splits_change_only_summation_order(fresh_seed, monke
     ids, tw = cuda_routing(gen, 2, 8, 32)
     dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw)
     assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("E,H,I,Is,T,k,splits", [
+    (384, 7168, 256, 256, 1, 8, None),   # a K2 TP-8 rank: 4 shared block rows per token
+    (384, 7168, 256, 256, 4, 8, None),   # four tokens
+    (16, 1024, 128, 200, 3, 4, None),    # Is not a multiple of 4 * I / 16: idle shared blocks
+    (16, 2048, 128, 64, 1, 2, "3"),      # gate/up split over K (clusters of 3, the last split short)
+    (24, 512, 64, 1024, 2, 6, None),     # Is > I: shared rows longer than a routed slot's
+])
+@pytest.mark.parametrize("parts", ["shared+residual", "shared", "residual"])
+def test_cuda_decode_path_shared_expert_and_residual(fresh_seed, monkeypatch, E, H, I, Is, T, k, splits, parts):
+    """The shared expert inside the decode path's two launches (and the residual add in down's):
+    against the reference, and against the grouped path (which adds them with ATen ops)."""
+    if splits is not None:
+        monkeypatch.setenv("KDTREE_INT4_DECODE_SPLITS", splits)
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    w = cuda_weights(gen, E, H, I, 32)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    shared = make_shared(gen, H, Is, torch.bfloat16, "cuda") if "shared" in parts else None
+    res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16) if "residual" in parts else None
+    ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *(shared or (None,) * 3), res)
+    outs = {}
+    for path in ("1", "0"):  # the decode path, then the grouped path
+        monkeypatch.setenv("KDTREE_INT4_DECODE", path)
+        for id_t in (ids, ids.long()):
+            out = int4_moe(x, w, id_t, tw, shared=shared, residual=res)
+            assert rel_err(out, ref) <= 1e-2, f"decode={path}: relative error {rel_err(out, ref):.3e}"
+            outs[path, id_t.dtype] = out
+    assert torch.equal(outs["1", torch.int32], outs["1", torch.int64])
+    # without the residual the sums are compared directly (with it, it dominates the norm)
+    if res is None:
+        assert rel_err(outs["1", torch.int32], outs["0", torch.int32]) <= 4e-3
+    else:
+        diff = (outs["1", torch.int32].float() - outs["0", torch.int32].float()).abs().max()
+        assert float(diff) <= 0.05 * float(res.float().abs().max())
+    # the unfused sum: the fused output is the plain call plus the shared expert plus the residual
+    monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
+    plain = int4_moe(x, w, ids, tw).float()
+    if shared is not None:
+        sg, su, sd = (t.float() for t in shared)
+        xf = x.float()
+        plain = plain + (torch.nn.functional.silu(xf @ sg.T) * (xf @ su.T)) @ sd.T
+    if res is not None:
+        plain = plain + res.float()
+    assert rel_err(outs["1", torch.int32], plain) <= 1e-2
+
+
+@requires_cuda
+def test_cuda_decode_path_shared_expert_in_a_graph_and_without_pdl(fresh_seed, monkeypatch):
+    """The fused call replays in a CUDA graph with new inputs, and PDL changes no bit."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    E, H, I, Is, T, k = 64, 2048, 256, 256, 2, 8
+    w = cuda_weights(gen, E, H, I, 32)
+    shared = make_shared(gen, H, Is, torch.bfloat16, "cuda")
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = cuda_routing(gen, T, k, E)
+    eager = int4_moe(x, w, ids, tw, shared=shared, residual=res)
+    monkeypatch.setenv("KDTREE_PDL", "0")
+    assert torch.equal(int4_moe(x, w, ids, tw, shared=shared, residual=res), eager)
+    monkeypatch.delenv("KDTREE_PDL")
+    from torch_kdtree.ops._checks import value_checks
+    with value_checks(False):
+        int4_moe(x, w, ids, tw, shared=shared, residual=res)  # warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int4_moe(x, w, ids, tw, shared=shared, residual=res)
+    for _ in range(2):
+        x.copy_(torch.randn((T, H), generator=gen, device="cuda"))
+        res.copy_(torch.randn((T, H), generator=gen, device="cuda"))
+        new_ids, new_tw = cuda_routing(gen, T, k, E)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        graph.replay()
+        assert torch.equal(out, int4_moe(x, w, ids, tw, shared=shared, residual=res))
 
 
 @requires_cuda

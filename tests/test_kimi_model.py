@@ -590,6 +590,43 @@ def test_cuda_int4_experts_match_dense_on_dequantised_weights():
     assert rel_err(int4_model(ids).logits.float(), dense_model(ids).logits.float()) <= 3e-2
 
 
+@requires_int4_cuda
+def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(monkeypatch):
+    """Decode-sized INT4 passes on CUDA hand the shared expert and the residual add to
+    kdtree::int4_moe (one op call per MoE layer); the logits match the unfused path's."""
+    import torch_kdtree.models.kimi_k2.moe as moe_mod
+    model = make_model(38, **INT4_SIZES, **GPU_HEADS)
+    g = torch.Generator().manual_seed(39)
+    for experts in [m for m in model.modules() if isinstance(m, KimiK2Experts)]:
+        E, I, H = experts.gate_proj.shape
+        experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
+    model.to("cuda", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
+    calls = []
+    real = moe_mod.int4_moe
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("shared") is not None and kwargs.get("residual") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_mod, "int4_moe", counting)
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(moe_mod, "_INT4_SHARED", fused)
+        calls.clear()
+        cache = KimiK2Cache.for_model(model, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
+        visible = torch.ones(2, 1, 1, dtype=torch.bool, device="cuda")
+        out = []
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                out.append(model(ids[:, t : t + 1], cache.lengths.long()[:, None], cache, visible).logits)
+                cache.advance(1)
+        logits[fused] = torch.cat(out, dim=1)
+        moe_layers = sum(isinstance(layer.mlp, moe_mod.KimiK2MoE) for layer in model.model.layers)
+        assert moe_layers >= 1 and calls == [fused] * (ids.shape[1] * moe_layers)  # decode: 2 rows, 2 k slots
+    assert rel_err(logits[True].float(), logits[False].float()) <= 2e-2
+
+
 @requires_mla_cuda
 def test_decode_step_cuda_graph_replay_matches_eager():
     model = make_model(22, **GPU_HEADS).to("cuda", torch.bfloat16)

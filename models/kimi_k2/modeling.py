@@ -386,7 +386,7 @@ class KimiK2DecoderLayer(nn.Module):
                 x, routing = self.mlp.route_gemv(h, self.post_attention_layernorm)
             else:
                 x, routing = self.post_attention_layernorm(h), None
-            if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's down kernel
+            if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's / int4_moe's down kernel
                 return self.mlp(x, routing=routing, residual=h)
             return h + self.mlp(x, routing=routing)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -53,6 +53,15 @@ _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 # in the same launch, went 0.3850 -> 0.3925, so INT4 blocks keep inductor's norm + router + shared
 # kernels.  KDTREE_ROUTER_GEMV=0 turns it off (read at import).
 _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
+# INT4 experts on CUDA, decode-sized passes (T * k <= _INT4_DECODE_SLOTS, int4_moe's decode path):
+# the shared expert and the residual add inside kdtree::int4_moe's two launches
+# (KimiK2MoE._int4_shared_fits).  On the H200 (RESULTS.md runs 92-93) k2_slice went 0.3751 -> 0.3622
+# and 0.3730 -> 0.3581 ms per step; with the norm and router logits also in a kdtree::gemv launch
+# (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.
+# KDTREE_INT4_SHARED=0 turns it off (read at import).
+_INT4_SHARED = os.environ.get("KDTREE_INT4_SHARED", "1") != "0"
+_INT4_DECODE_SLOTS = 32  # csrc/moe_decode.h kInt4DecodeMaxSlots
+_HAS_INT4_MOE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
 
 
 class KimiK2MLP(nn.Module):
@@ -401,6 +410,11 @@ class KimiK2MoE(nn.Module):
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
         topk_ids, topk_weights = self.gate(x) if routing is None else routing
         shared = self.shared_experts
+        if self._int4_shared_fits(x):  # the shared expert (and the residual) inside int4_moe
+            y = int4_moe(x, self.experts.int4_weights(), topk_ids, topk_weights,
+                         shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
+                         residual=res)
+            return y.view(shape)
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches
             e = self.experts
@@ -416,13 +430,30 @@ class KimiK2MoE(nn.Module):
 
     def fuses_residual(self, x: torch.Tensor) -> bool:
         """Whether the decoder layer should hand its residual to :meth:`forward` for ``x`` (the
-        normalised input): the block runs as one kdtree::moe_gemv call with the shared expert, which
+        normalised input): the block runs as one kdtree::moe_gemv call (bf16 experts) or one
+        kdtree::int4_moe call (INT4 experts, :meth:`_int4_shared_fits`) with the shared expert, which
         then also adds the residual, and nothing hooks this module (a tensor-parallel wrapper
         reducing its output must see the MoE output alone).  Elsewhere the layer adds it itself."""
-        if self._forward_hooks or self._forward_pre_hooks or self.shared_experts is None or self.experts.is_int4:
+        if self.experts.is_int4:
+            return self._int4_shared_fits(x)
+        if self._forward_hooks or self._forward_pre_hooks or self.shared_experts is None:
             return False
         slots = x.numel() // x.shape[-1] * self.gate.top_k  # the router's int32 ids
         return self._shared_fits(self.experts._moe_gemv_fits(x, slots))
+
+    def _int4_shared_fits(self, x: torch.Tensor) -> bool:
+        """INT4 experts whose decode-sized CUDA calls take the shared expert (plain bf16 weights,
+        intermediate size a multiple of 8) and the residual add into kdtree::int4_moe's decode path
+        (x bf16 with T * k <= _INT4_DECODE_SLOTS token-slots), nothing hooked (a tensor-parallel
+        wrapper reducing the block's output must see the MoE output alone)."""
+        shared = self.shared_experts
+        if not (_INT4_SHARED and _HAS_INT4_MOE_CUDA and self.experts.is_int4 and shared is not None):
+            return False
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self, shared, self.experts))
+        return (not hooked and gemv._on_gpu(x) and x.dtype == torch.bfloat16
+                and x.numel() // x.shape[-1] * self.gate.top_k <= _INT4_DECODE_SLOTS
+                and shared.gate_proj.weight.shape[0] % 8 == 0 and plain_bf16(shared.gate_proj, shared.up_proj,
+                                                                            shared.down_proj))
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
         """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16

@@ -665,7 +665,7 @@ template <typename IdT>
 void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& w13_s,
              const at::Tensor& w2_q, const at::Tensor& w2_s, const at::Tensor& topk_ids,
              const at::Tensor& topk_weights, const int32_t* emap, int64_t group_size, int64_t block_size,
-             int64_t k_splits, uint8_t* ws, at::Tensor& out) {
+             int64_t k_splits, uint8_t* ws, at::Tensor& out, const Int4DecodeExtra* extra) {
   const Workspace w = workspace_layout(d.T, d.topk, d.E, d.H, d.I, block_size, k_splits);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const IdT* ids = topk_ids.data_ptr<IdT>();
@@ -690,6 +690,7 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
     a.group_size = group_size;
     a.act = reinterpret_cast<bf16*>(ws + w.act);
     a.out = reinterpret_cast<bf16*>(out.data_ptr());
+    if (extra != nullptr) a.extra = *extra;
     int4_moe_decode(a, std::is_same_v<IdT, int64_t>);
     return;
   }
@@ -742,17 +743,18 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
 void moe_forward(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& w13_s,
                  const at::Tensor& w2_q, const at::Tensor& w2_s, const at::Tensor& topk_ids,
                  const at::Tensor& topk_weights, const std::optional<at::Tensor>& expert_map, int64_t group_size,
-                 int64_t block_size, int64_t k_splits, at::Tensor& workspace, at::Tensor& out) {
+                 int64_t block_size, int64_t k_splits, at::Tensor& workspace, at::Tensor& out,
+                 const Int4DecodeExtra* extra = nullptr) {
   if (d.T == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int32_t* emap = expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr;
   uint8_t* ws = workspace.data_ptr<uint8_t>();
   if (topk_ids.scalar_type() == at::kLong)
     run_moe<int64_t>(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, emap, group_size, block_size, k_splits,
-                     ws, out);
+                     ws, out, extra);
   else
     run_moe<int32_t>(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, emap, group_size, block_size, k_splits,
-                     ws, out);
+                     ws, out, extra);
 }
 
 void int4_moe_out_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& w13_s, const at::Tensor& w2_q,
@@ -777,15 +779,70 @@ void int4_moe_out_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at::T
 at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& w13_s, const at::Tensor& w2_q,
                          const at::Tensor& w2_s, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const std::optional<at::Tensor>& expert_map, int64_t group_size, int64_t block_size,
-                         int64_t k_splits) {
-  const MoeDims d = check_moe_inputs("kdtree::int4_moe", x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights,
-                                     expert_map, group_size, block_size, k_splits);
+                         int64_t k_splits, const std::optional<at::Tensor>& shared_gate,
+                         const std::optional<at::Tensor>& shared_up, const std::optional<at::Tensor>& shared_down,
+                         const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "kdtree::int4_moe";
+  const MoeDims d = check_moe_inputs(op, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size,
+                                     block_size, k_splits);
+  const bool has_shared = shared_gate.has_value() || shared_up.has_value() || shared_down.has_value();
+  int64_t Is = 0;
+  if (has_shared) {
+    KD_CHECK(shared_gate.has_value() && shared_up.has_value() && shared_down.has_value(), op,
+             ": shared_gate, shared_up and shared_down come together");
+    check_moe_tensor(*shared_gate, op, "shared_gate", at::kBFloat16, 2);
+    check_moe_tensor(*shared_up, op, "shared_up", at::kBFloat16, 2);
+    check_moe_tensor(*shared_down, op, "shared_down", at::kBFloat16, 2);
+    Is = shared_gate->size(0);
+    KD_CHECK(shared_gate->size(1) == d.H && shared_up->sizes() == shared_gate->sizes() && shared_down->size(0) == d.H &&
+                 shared_down->size(1) == Is && Is > 0 && Is % 8 == 0,
+             op, ": shared_gate / shared_up must be [Is, H = ", d.H, "] and shared_down [H, Is] with Is a positive "
+             "multiple of 8, got ", shared_gate->sizes(), ", ", shared_up->sizes(), ", ", shared_down->sizes());
+    for (const at::Tensor* t : {&*shared_gate, &*shared_up, &*shared_down}) {
+      KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
+      KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op,
+               ": the shared expert's weights must be 16-byte aligned");
+    }
+  }
+  if (residual.has_value()) {
+    check_moe_tensor(*residual, op, "residual", at::kBFloat16, 2);
+    KD_CHECK(residual->sizes() == x.sizes() && residual->device() == x.device(), op, ": residual must be [T, H] = ",
+             x.sizes(), " on x's device, got ", residual->sizes());
+  }
   const int64_t need = workspace_layout(d.T, d.topk, d.E, d.H, d.I, block_size, k_splits).total;
   at::Tensor workspace = at::empty({need}, x.options().dtype(at::kByte));
   at::Tensor out = at::empty_like(x);
+  if (d.T == 0) return out;
+  if ((has_shared || residual.has_value()) && int4_decode_applies(d.T, d.topk, d.H, d.I)) {
+    // the decode path computes the shared expert and adds the residual in its two launches
+    at::Tensor act_s = at::empty({d.T, std::max<int64_t>(Is, 1)}, x.options());
+    Int4DecodeExtra extra{};
+    if (has_shared) {
+      extra.shared_gate = reinterpret_cast<const bf16*>(shared_gate->data_ptr());
+      extra.shared_up = reinterpret_cast<const bf16*>(shared_up->data_ptr());
+      extra.shared_down = reinterpret_cast<const bf16*>(shared_down->data_ptr());
+      extra.Is = Is;
+      extra.act_s = reinterpret_cast<bf16*>(act_s.data_ptr());
+    }
+    if (residual.has_value()) extra.residual = reinterpret_cast<const bf16*>(residual->data_ptr());
+    moe_forward(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size, block_size, k_splits,
+                workspace, out, &extra);
+    return out;
+  }
   moe_forward(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size, block_size, k_splits,
               workspace, out);
-  return out;
+  if (!has_shared && !residual.has_value()) return out;
+  // The grouped path: the shared expert and the residual with ATen ops (the routed sum already
+  // rounded to bf16, then + the shared expert in fp32, rounded; then + the residual, rounded).
+  at::Tensor y = out.to(at::kFloat);
+  if (has_shared) {
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor g = at::linear(xf, shared_gate->to(at::kFloat)), u = at::linear(xf, shared_up->to(at::kFloat));
+    const at::Tensor act_s = (at::silu(g) * u).to(at::kBFloat16).to(at::kFloat);
+    y = y + at::linear(act_s, shared_down->to(at::kFloat));
+  }
+  if (residual.has_value()) y = y.to(at::kBFloat16).to(at::kFloat) + residual->to(at::kFloat);
+  return y.to(at::kBFloat16);
 }
 
 }  // namespace

@@ -15,16 +15,26 @@
 //      (S <= 8 splits, only when a call has fewer units than half the SMs); warp w takes the
 //      split's tiles w, w + 8, ...  The eight warps' sums are added in warp order, the splits' sums in rank order through the
 //      cluster's shared memory (rank 0), then act[slot, 16 i + r] = bf16(silu(g) · u).
+//      With a shared expert (bf16 gate / up [Is, H]; the <IdT, true> instantiations): T · ns more
+//      rows of blocks, each kShRows rows of gate and of up for one token, one warp per row (16-byte
+//      loads along the split's k range, kShBatch per lane in flight; before the wait -- these
+//      weights depend on no routing -- the first batch into registers and the rest into L2), then
+//      act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
-//      order.  Before its programmatic-launch wait (pdl.cuh) it reads the routing (two kernels
-//      back) and starts its first weight copies (weights are never written by a predecessor).
+//      order.  With a shared expert, warp w also takes rows 2 w and 2 w + 1 of the block's tile of
+//      shared_down [H, Is] against act_s (the first chunk per lane loaded before the wait): a row's
+//      sum is the warps' routed sums in warp order plus the shared row.  With a residual:
+//      out = bf16(residual + bf16(sum)).  Before its programmatic-launch wait (pdl.cuh) it reads the
+//      routing (two kernels back) and starts its first weight copies (weights are never written by
+//      a predecessor).
 #include "moe_decode.h"
 
 #include "bf16_vec.cuh"
 #include "int4_mma.cuh"
 #include "pdl.cuh"
+#include "warp_reduce.cuh"
 #include <ATen/cuda/CUDAContext.h>
 #include <cooperative_groups.h>
 
@@ -44,6 +54,8 @@ constexpr int kMaxSplits = 8;    // gate/up's K splits: a portable cluster
 constexpr int kMaxTopk = 16;
 constexpr int kTileBytes = 512;  // one 16 x 64 INT4 tile: 16 bytes per lane
 constexpr int kScaleBytes = 64;  // a tile's scales over its 64 k: at most two groups of 16 bf16
+constexpr int kShRows = 4;       // gate/up: shared-expert rows of gate (and of up) per block
+constexpr int kShBatch = 4;      // 16-byte chunks per lane of a shared-expert row in flight together
 
 template <typename IdT>
 __device__ __forceinline__ int local_expert_l2(const IdT* ids, int64_t i, const int32_t* emap, int num_global, int E) {
@@ -96,25 +108,102 @@ __device__ __forceinline__ void stash_rows(float* red_w, const float (&acc)[4], 
   }
 }
 
-template <typename IdT>
-__global__ void __launch_bounds__(kThreads)
+// gate/up's last step (part: this block's gate sums in [0, 16) and up sums in [16, 32), written by
+// warp 0): the splits' sums added in rank order through the cluster's shared memory (rank 0), then
+// dst[r] = bf16(silu(g) · u) for rows r < rows.  Every block of a cluster calls it.
+__device__ __forceinline__ void up_finish(const float* part, int rows, bf16* __restrict__ dst) {
+  const int splits = gridDim.z;
+  if (splits == 1) {
+    __syncwarp();
+    if (int(threadIdx.x) < rows) dst[threadIdx.x] = __float2bfloat16(silu_mul(part[threadIdx.x], part[threadIdx.x + 16]));
+    return;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's sums are in its shared memory
+  if (cluster.block_rank() == 0 && int(threadIdx.x) < rows) {
+    float g = 0.f, u = 0.f;
+    for (int r = 0; r < splits; ++r) {
+      const float* p = cluster.map_shared_rank(part, r);
+      g += p[threadIdx.x];
+      u += p[threadIdx.x + 16];
+    }
+    dst[threadIdx.x] = __float2bfloat16(silu_mul(g, u));
+  }
+  cluster.sync();  // no block exits while rank 0 may still read its shared memory
+}
+
+// A shared-expert block of gate/up (token t, rows r0 .. r0 + kShRows - 1 of gate and of up): warp w
+// takes row r0 + w % kShRows of gate (w < kShRows) or up over the split's k range [64 c0, 64 c1):
+// lane l its 16-byte chunks l, l + 32, ..., kShBatch of them in flight at a time; the first batch
+// was loaded before the wait (first).  Returns the warp's row sum in every lane.
+__device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t* s_x, int c0, int c1,
+                                                const uint4 (&first)[kShBatch], int lane) {
+  const int n = 8 * (c1 - c0);  // chunks of the split
+  const uint4* xs = reinterpret_cast<const uint4*>(s_x);
+  float acc = 0.f;
+#pragma unroll
+  for (int b = 0; b < kShBatch; ++b)
+    if (lane + 32 * b < n) acc = dot8(first[b], xs[lane + 32 * b], acc);
+  for (int c = lane + 32 * kShBatch; c < n; c += 32 * kShBatch) {
+    uint4 w[kShBatch];
+#pragma unroll
+    for (int b = 0; b < kShBatch; ++b)
+      if (c + 32 * b < n) w[b] = ld_stream(row + c + 32 * b);
+#pragma unroll
+    for (int b = 0; b < kShBatch; ++b)
+      if (c + 32 * b < n) acc = dot8(w[b], xs[c + 32 * b], acc);
+  }
+  return warp_sum(acc);
+}
+
+// kShared: the launch has shared-expert blocks (a separate instantiation, so that calls without
+// one run the same code as before it existed).
+template <typename IdT, bool kShared>
+__global__ void __launch_bounds__(kThreads, 5)  // 48 registers: gate/up and down blocks resident together
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
-                      int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act) {
+                      int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act,
+                      const bf16* __restrict__ shared_gate, const bf16* __restrict__ shared_up, int Is, int ns,
+                      bf16* __restrict__ act_s) {
   extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][2 tiles] | x of this split
   __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
   __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
-  pdl_wait();  // the routing and x come from earlier kernels
-  pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int tp = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
   const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
   const int c0 = split * chunks_per_split, c1 = min(KC, c0 + chunks_per_split);
+  constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
+  uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kStages * kPair);
+  const int routed = kShared ? int(gridDim.y) - int(gridDim.y) / (topk + ns) * ns : int(gridDim.y);  // T · k
+  if (kShared && slot >= routed) {  // a shared-expert block
+    const int tok = (slot - routed) / ns, r0 = kShRows * ((slot - routed) % ns * int(gridDim.x) + tp);
+    const int r = r0 + warp % kShRows;
+    const bool mine = r < Is;  // warp-uniform
+    const uint4* row = reinterpret_cast<const uint4*>((warp < kShRows ? shared_gate : shared_up) + int64_t(r) * H) +
+                       8 * c0;
+    // Before the wait (the weights depend on no routing): the row's first kShBatch chunks per lane
+    // into registers, the rest into L2.
+    uint4 first[kShBatch];
+#pragma unroll
+    for (int b = 0; b < kShBatch; ++b)
+      if (mine && lane + 32 * b < 8 * (c1 - c0)) first[b] = ld_stream_early(row + lane + 32 * b);
+    if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
+    pdl_wait();  // x comes from an earlier kernel
+    pdl_launch_dependents();
+    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(tok) * H + 64 * c0);
+    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
+    __syncthreads();
+    const float v = mine ? shared_row_sum(row, s_x, c0, c1, first, lane) : 0.f;
+    if (lane == 0 && warp < 2 * kShRows) part[(warp < kShRows ? 0 : 16) + warp % kShRows] = v;
+    __syncthreads();
+    up_finish(part, min(kShRows, Is - r0), act_s + int64_t(tok) * Is + r0);
+    return;
+  }
+  pdl_wait();  // the routing and x come from earlier kernels
+  pdl_launch_dependents();
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
-  constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
   char* ring = smem + warp * kStages * kPair;
-  uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kStages * kPair);
   float cg_[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
   if (e >= 0) {  // block-uniform
     const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32;  // tile (e, 2 tp); up = 2 tp + 1
@@ -157,41 +246,37 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
     part[threadIdx.x] = v;
   }
-  const int splits = gridDim.z;
-  if (splits == 1) {
-    __syncwarp();
-    if (threadIdx.x < 16) {
-      const float g = part[threadIdx.x], u = part[threadIdx.x + 16];
-      act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(silu_mul(g, u));
-    }
-    return;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's sums are in its shared memory
-  if (cluster.block_rank() == 0 && threadIdx.x < 16) {
-    float g = 0.f, u = 0.f;
-    for (int r = 0; r < splits; ++r) {
-      const float* p = cluster.map_shared_rank(part, r);
-      g += p[threadIdx.x];
-      u += p[threadIdx.x + 16];
-    }
-    act[int64_t(slot) * I + 16 * tp + threadIdx.x] = __float2bfloat16(silu_mul(g, u));
-  }
-  cluster.sync();  // no block exits while rank 0 may still read its shared memory
+  up_finish(part, 16, act + int64_t(slot) * I + 16 * tp);
 }
 
-template <typename IdT>
-__global__ void __launch_bounds__(kThreads)
+template <typename IdT, bool kShared>
+__global__ void __launch_bounds__(kThreads, 5)  // 48 registers: gate/up and down blocks resident together
 int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ w2q, const bf16* __restrict__ w2s,
                         const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
                         const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
-                        bf16* __restrict__ out) {
+                        bf16* __restrict__ out, const bf16* __restrict__ shared_down, int Is,
+                        const bf16* __restrict__ act_s, const bf16* __restrict__ residual) {
   extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
   __shared__ float red[kWarps][16];
+  __shared__ float s_sh[16];  // the shared expert's 16 rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int tok = blockIdx.y, m = blockIdx.x;
+  // The shared expert's rows 16 m + 2 w, 2 w + 1 (warp w): the first kShBatch / 2 chunks per lane of
+  // each before the wait (weights), the rest after it.
+  constexpr int kShFirst = 1;
+  const int sch = Is / 8;
+  const uint4* sdr = kShared ? reinterpret_cast<const uint4*>(shared_down + int64_t(16 * m + 2 * warp) * Is)
+              : nullptr;
+  uint4 sw[2][kShFirst];
+  if (kShared) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int b = 0; b < kShFirst; ++b)
+        if (lane + 32 * b < sch) sw[q][b] = ld_stream_early(sdr + int64_t(q) * sch + lane + 32 * b);
+  }
   const int MT = H / 16, KC = I / 64, G = I >> gs_shift;
   constexpr int kStage = kTileBytes + kScaleBytes;
   char* ring = smem + warp * kStages * kStage;
@@ -239,12 +324,37 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
     __syncwarp();
   }
   stash_rows(red[warp], acc, lane);
+  if (kShared) {
+    const uint4* ar = reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is);
+    float d[2] = {0.f, 0.f};
+#pragma unroll
+    for (int b = 0; b < kShFirst; ++b)
+      if (lane + 32 * b < sch) {
+        const uint4 a = __ldcg(ar + lane + 32 * b);
+        d[0] = dot8(sw[0][b], a, d[0]);
+        d[1] = dot8(sw[1][b], a, d[1]);
+      }
+    for (int c = lane + 32 * kShFirst; c < sch; c += 32) {
+      const uint4 w0 = ld_stream(sdr + c), w1 = ld_stream(sdr + sch + c), a = __ldcg(ar + c);
+      d[0] = dot8(w0, a, d[0]);
+      d[1] = dot8(w1, a, d[1]);
+    }
+    d[0] = warp_sum(d[0]);
+    d[1] = warp_sum(d[1]);
+    if (lane == 0) {
+      s_sh[2 * warp] = d[0];
+      s_sh[2 * warp + 1] = d[1];
+    }
+  }
   __syncthreads();
   if (threadIdx.x < 16) {
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
-    out[int64_t(tok) * H + 16 * m + threadIdx.x] = __float2bfloat16(v);
+    if (kShared) v += s_sh[threadIdx.x];
+    const int64_t at = int64_t(tok) * H + 16 * m + threadIdx.x;
+    if (residual != nullptr) v = round_bf16(v) + __bfloat162float(residual[at]);
+    out[at] = __float2bfloat16(v);
   }
 }
 
@@ -253,6 +363,8 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
 // unsplit as fast or faster at T 2 and 4), else about one block per SM; at most a portable
 // cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n instead
 // (tuning runs and tests; the same bounds apply).
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 int up_splits(const Int4DecodeArgs& a, int sms) {
   const int64_t units = a.I / 16 * a.T * a.topk;
   int64_t want = 2 * units >= sms ? 1 : (sms + units - 1) / units;
@@ -273,15 +385,19 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const int splits = up_splits(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int KC = H / 64, per_split = (KC + splits - 1) / splits;
   const size_t up_smem = size_t(kWarps) * kStages * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
-  allow_smem(&int4_decode_up_kernel<IdT>, up_smem);
-  launch_kernel_ex(&int4_decode_up_kernel<IdT>, dim3(unsigned(I / 16), unsigned(T * k), unsigned(splits)),
-                   dim3(kThreads), dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids,
-                   a.emap, ng, E, H, I, gs_shift, k, per_split, a.act);
+  // shared-expert blocks: ns rows of I / 16 blocks per token, kShRows gate and up rows each
+  const int Is = int(a.extra.Is), ns = Is > 0 ? int((ceil_div(Is, kShRows) + I / 16 - 1) / (I / 16)) : 0;
+  const auto up = Is > 0 ? &int4_decode_up_kernel<IdT, true> : &int4_decode_up_kernel<IdT, false>;
+  allow_smem(up, up_smem);
+  launch_kernel_ex(up, dim3(unsigned(I / 16), unsigned(T * (k + ns)), unsigned(splits)), dim3(kThreads),
+                   dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
+                   gs_shift, k, per_split, a.act, a.extra.shared_gate, a.extra.shared_up, Is, ns, a.extra.act_s);
   const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2;
-  allow_smem(&int4_decode_down_kernel<IdT>, down_smem);
-  launch_kernel(&int4_decode_down_kernel<IdT>, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream,
-                pdl, static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I, gs_shift,
-                k, a.out);
+  const auto down = Is > 0 ? &int4_decode_down_kernel<IdT, true> : &int4_decode_down_kernel<IdT, false>;
+  allow_smem(down, down_smem);
+  launch_kernel(down, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream, pdl,
+                static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I, gs_shift, k,
+                a.out, a.extra.shared_down, Is, static_cast<const bf16*>(a.extra.act_s), a.extra.residual);
 }
 
 }  // namespace

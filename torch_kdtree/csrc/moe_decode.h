@@ -14,6 +14,18 @@ constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: t
 constexpr bool kInt4DecodeDefault = true;
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
+// Optional parts of a decode-path call: a bf16 shared expert (weight 1; all three or none) gate /
+// up [Is, H], down [H, Is] with its activations act_s [T, Is], and a residual [T, H] added after
+// rounding (out = bf16(residual + bf16(routed sum + shared))).
+struct Int4DecodeExtra {
+  const __nv_bfloat16* shared_gate = nullptr;
+  const __nv_bfloat16* shared_up = nullptr;
+  const __nv_bfloat16* shared_down = nullptr;
+  int64_t Is = 0;
+  __nv_bfloat16* act_s = nullptr;
+  const __nv_bfloat16* residual = nullptr;
+};
+
 struct Int4DecodeArgs {
   const __nv_bfloat16* x;     // [T, H]
   const uint4* w13q;          // [E, 2 I / 16, H / 64, 32] (16-byte units of the kernel layout)
@@ -26,6 +38,7 @@ struct Int4DecodeArgs {
   int64_t T, topk, H, I, E, num_global, group_size;
   __nv_bfloat16* act;         // [T · topk, I] (the workspace's act region)
   __nv_bfloat16* out;         // [T, H]
+  Int4DecodeExtra extra;      // optional shared expert and residual
 };
 
 // Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe);

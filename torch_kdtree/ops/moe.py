@@ -370,6 +370,30 @@ def _check_moe(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, 
         raise ValueError(f"{op}: expert_map values must be local expert indices in [0, {E}) or -1 (not on this rank)")
 
 
+def _check_shared(x, shared_gate, shared_up, shared_down, residual, op="int4_moe") -> None:
+    """The optional shared expert (all three or none: gate / up [Is, H], down [H, Is] in x's dtype)
+    and residual ([T, H], x's dtype)."""
+    given = [t is not None for t in (shared_gate, shared_up, shared_down)]
+    if any(given) and not all(given):
+        raise ValueError(f"{op}: shared_gate, shared_up and shared_down come together")
+    T, H = x.shape
+    if all(given):
+        for name, t in (("shared_gate", shared_gate), ("shared_up", shared_up), ("shared_down", shared_down)):
+            check_tensor(op, name, t, x.dtype, 2)
+        check_same_device(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
+        Is = shared_gate.shape[0]
+        if (shared_gate.shape[1] != H or tuple(shared_up.shape) != tuple(shared_gate.shape)
+                or tuple(shared_down.shape) != (H, Is) or Is == 0 or Is % 8):
+            raise ValueError(f"{op}: shared_gate / shared_up must be [Is, H = {H}] and shared_down [H, Is] with Is a "
+                             f"positive multiple of 8, got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
+                             f"{tuple(shared_down.shape)}")
+    if residual is not None:
+        check_tensor(op, "residual", residual, x.dtype, 2)
+        check_same_device(op, x=x, residual=residual)
+        if tuple(residual.shape) != (T, H):
+            raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
+
+
 def _dequant_expert(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_size: int) -> torch.Tensor:
     """Float32 [N, K] weight of expert e straight from the kernel layout."""
     nib = _from_kernel_nibbles(_unpack_nibbles(qweight[e : e + 1]).reshape(1, *qweight.shape[1:3], 1024))[0]
@@ -380,13 +404,18 @@ def _dequant_expert(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_s
 def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tensor,
                        w2_qweight: torch.Tensor, w2_scales: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], group_size: int,
-                       block_size: int = 8, k_splits: int = 1) -> torch.Tensor:
+                       block_size: int = 8, k_splits: int = 1, shared_gate: Optional[torch.Tensor] = None,
+                       shared_up: Optional[torch.Tensor] = None, shared_down: Optional[torch.Tensor] = None,
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::int4_moe``: per used expert, dequantise
     to float32, gate/up matmuls, SiLU(gate) * up, down matmul, scale by the router weight; then
-    sum the top-k terms in order j = 0..k-1 in float32 and round to x's dtype.  Ids that are out
-    of range or map to -1 contribute nothing (eager calls reject out-of-range ids first)."""
+    sum the top-k terms in order j = 0..k-1 in float32 [plus the shared expert's
+    ``down(SiLU(gate x) * up x)`` in float32] and round to x's dtype [then add the residual and
+    round again].  Ids that are out of range or map to -1 contribute nothing (eager calls reject
+    out-of-range ids first)."""
     _check_moe(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
                block_size, k_splits)
+    _check_shared(x, shared_gate, shared_up, shared_down, residual)
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w13_qweight.shape[0]
@@ -412,7 +441,11 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     for j in range(k):
         out += terms[:, j]
-    return out.to(x.dtype)
+    if shared_gate is not None:
+        act = torch.nn.functional.silu(xf @ shared_gate.float().T) * (xf @ shared_up.float().T)
+        out += act @ shared_down.float().T
+    out = out.to(x.dtype)
+    return out if residual is None else (residual.float() + out.float()).to(x.dtype)
 
 
 def _int4_moe_out_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map,
@@ -444,7 +477,9 @@ def _plan_for(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor) 
 
 
 def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-             expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+             expert_map: Optional[torch.Tensor] = None,
+             shared: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed-expert MLP with INT4 weights: out[t] = sum_j topk_weights[t, j] *
     down_e(SiLU(gate_e(x[t])) * up_e(x[t])) with e = topk_ids[t, j].
 
@@ -456,14 +491,23 @@ def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, t
         topk_weights: float32 [T, k] router weights (already normalised and scaled).
         expert_map: optional int32 [E_global]: global id -> local expert index, or -1 for experts
             not on this rank (they contribute nothing).
+        shared: optional shared expert (gate [Is, H], up [Is, H], down [H, Is], x's dtype), added
+            with weight 1 before the output is rounded.  On CUDA, decode-sized calls (the two-launch
+            decode path) compute it inside their launches.
+        residual: optional [T, H] in x's dtype, added after rounding: ``residual + out``, rounded
+            again (the decoder layer's residual add).
     Sum over j in a fixed order, so results are deterministic.  Allocates its workspace; use
     :func:`int4_moe_out` with a caller-owned workspace on the hot path.
     """
     plan = _plan_for(x, weights, topk_ids)
     _check_moe(x, *weights[:4], topk_ids, topk_weights, expert_map, weights.group_size, plan.block_size,
                plan.k_splits)
+    if shared is not None and (not isinstance(shared, (tuple, list)) or len(shared) != 3):
+        raise ValueError("int4_moe: shared must be a (gate, up, down) tuple of tensors")
+    sg, su, sd = shared if shared is not None else (None, None, None)
+    _check_shared(x, sg, su, sd, residual)
     return torch.ops.kdtree.int4_moe(x, *weights[:4], topk_ids, topk_weights, expert_map, weights.group_size,
-                                     plan.block_size, plan.k_splits)
+                                     plan.block_size, plan.k_splits, sg, su, sd, residual)
 
 
 def int4_moe_workspace(num_tokens: int, topk: int, weights: Int4MoEWeights,
@@ -507,7 +551,7 @@ def _(packed, scale, group_size):
 
 @torch.library.register_fake("kdtree::int4_moe")
 def _(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
-      block_size, k_splits):
+      block_size, k_splits, shared_gate=None, shared_up=None, shared_down=None, residual=None):
     return x.new_empty(x.shape)
 
 
