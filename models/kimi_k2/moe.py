@@ -60,7 +60,8 @@ _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
 # (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.
 # KDTREE_INT4_SHARED=0 turns it off (read at import).
 _INT4_SHARED = os.environ.get("KDTREE_INT4_SHARED", "1") != "0"
-_INT4_DECODE_SLOTS = 32  # csrc/moe_decode.h kInt4DecodeMaxSlots
+_INT4_DECODE_SLOTS = 32  # csrc/moe_decode.h kInt4DecodeMaxSlots: the decode path's shapes
+_INT4_DECODE_BYTES = 32 * 1024  # kInt4DecodeMaxBytes (a token's x, or its k * I activations, in bf16)
 _HAS_INT4_MOE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
 
 
@@ -444,14 +445,16 @@ class KimiK2MoE(nn.Module):
     def _int4_shared_fits(self, x: torch.Tensor) -> bool:
         """INT4 experts whose decode-sized CUDA calls take the shared expert (plain bf16 weights,
         intermediate size a multiple of 8) and the residual add into kdtree::int4_moe's decode path
-        (x bf16 with T * k <= _INT4_DECODE_SLOTS token-slots), nothing hooked (a tensor-parallel
+        (x bf16 with T * k <= _INT4_DECODE_SLOTS token-slots, the path's size limits), nothing hooked (a tensor-parallel
         wrapper reducing the block's output must see the MoE output alone)."""
         shared = self.shared_experts
         if not (_INT4_SHARED and _HAS_INT4_MOE_CUDA and self.experts.is_int4 and shared is not None):
             return False
         hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self, shared, self.experts))
+        k, H, I = self.gate.top_k, x.shape[-1], self.experts.w13_qweight.shape[1] * 8
         return (not hooked and gemv._on_gpu(x) and x.dtype == torch.bfloat16
-                and x.numel() // x.shape[-1] * self.gate.top_k <= _INT4_DECODE_SLOTS
+                and x.numel() // H * k <= _INT4_DECODE_SLOTS and 2 * k * I <= _INT4_DECODE_BYTES
+                and 2 * H <= _INT4_DECODE_BYTES
                 and shared.gate_proj.weight.shape[0] % 8 == 0 and plain_bf16(shared.gate_proj, shared.up_proj,
                                                                             shared.down_proj))
 

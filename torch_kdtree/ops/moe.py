@@ -521,9 +521,9 @@ def int4_moe_workspace(num_tokens: int, topk: int, weights: Int4MoEWeights,
 
 def int4_moe_out(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  out: torch.Tensor, workspace: torch.Tensor, *, expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`int4_moe` writing into ``out`` ([T, H], x's dtype) with the caller's uint8
-    ``workspace`` (from :func:`int4_moe_workspace` for this T and k); no allocation, no host
-    synchronisation on CUDA (CUDA-graph safe).  Returns ``out``."""
+    """:func:`int4_moe` (without the shared expert and residual) writing into ``out`` ([T, H], x's
+    dtype) with the caller's uint8 ``workspace`` (from :func:`int4_moe_workspace` for this T and k);
+    no allocation, no host synchronisation on CUDA (CUDA-graph safe).  Returns ``out``."""
     plan = _plan_for(x, weights, topk_ids)
     _check_moe(x, *weights[:4], topk_ids, topk_weights, expert_map, weights.group_size, plan.block_size,
                plan.k_splits, op="int4_moe_out")
