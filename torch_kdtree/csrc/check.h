@@ -13,6 +13,8 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -66,6 +68,39 @@ inline void check_cuda_tensor(const at::Tensor& t, const char* op, const char* n
   KD_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   KD_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
   KD_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// The optional bf16 shared expert of moe_gemv / int4_moe (all three or none: gate / up [Is, H],
+// down [H, Is], Is a positive multiple of 8, 16-byte aligned, on x's device) and the optional bf16
+// residual [T, H] on x's device.  Returns Is (0 without a shared expert).
+inline int64_t check_shared_expert(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& gate,
+                                   const std::optional<at::Tensor>& up, const std::optional<at::Tensor>& down,
+                                   const std::optional<at::Tensor>& residual) {
+  const int64_t T = x.size(0), H = x.size(1);
+  int64_t Is = 0;
+  if (gate.has_value() || up.has_value() || down.has_value()) {
+    KD_CHECK(gate.has_value() && up.has_value() && down.has_value(), op,
+             ": shared_gate, shared_up and shared_down come together");
+    check_cuda_tensor(*gate, op, "shared_gate", at::kBFloat16, 2);
+    check_cuda_tensor(*up, op, "shared_up", at::kBFloat16, 2);
+    check_cuda_tensor(*down, op, "shared_down", at::kBFloat16, 2);
+    Is = gate->size(0);
+    KD_CHECK(gate->size(1) == H && up->sizes() == gate->sizes() && down->size(0) == H && down->size(1) == Is &&
+                 Is > 0 && Is % 8 == 0,
+             op, ": shared_gate / shared_up must be [Is, H = ", H, "] and shared_down [H, Is] with Is a positive "
+             "multiple of 8, got ", gate->sizes(), ", ", up->sizes(), ", ", down->sizes());
+    for (const at::Tensor* t : {&*gate, &*up, &*down}) {
+      KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
+      KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": the shared expert's weights must be "
+               "16-byte aligned");
+    }
+  }
+  if (residual.has_value()) {
+    check_cuda_tensor(*residual, op, "residual", at::kBFloat16, 2);
+    KD_CHECK(residual->size(0) == T && residual->size(1) == H && residual->device() == x.device(), op,
+             ": residual must be [T, H] = [", T, ", ", H, "] on x's device, got ", residual->sizes());
+  }
+  return Is;
 }
 
 }  // namespace kdtree

@@ -785,30 +785,8 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
   constexpr const char* op = "kdtree::int4_moe";
   const MoeDims d = check_moe_inputs(op, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size,
                                      block_size, k_splits);
-  const bool has_shared = shared_gate.has_value() || shared_up.has_value() || shared_down.has_value();
-  int64_t Is = 0;
-  if (has_shared) {
-    KD_CHECK(shared_gate.has_value() && shared_up.has_value() && shared_down.has_value(), op,
-             ": shared_gate, shared_up and shared_down come together");
-    check_moe_tensor(*shared_gate, op, "shared_gate", at::kBFloat16, 2);
-    check_moe_tensor(*shared_up, op, "shared_up", at::kBFloat16, 2);
-    check_moe_tensor(*shared_down, op, "shared_down", at::kBFloat16, 2);
-    Is = shared_gate->size(0);
-    KD_CHECK(shared_gate->size(1) == d.H && shared_up->sizes() == shared_gate->sizes() && shared_down->size(0) == d.H &&
-                 shared_down->size(1) == Is && Is > 0 && Is % 8 == 0,
-             op, ": shared_gate / shared_up must be [Is, H = ", d.H, "] and shared_down [H, Is] with Is a positive "
-             "multiple of 8, got ", shared_gate->sizes(), ", ", shared_up->sizes(), ", ", shared_down->sizes());
-    for (const at::Tensor* t : {&*shared_gate, &*shared_up, &*shared_down}) {
-      KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
-      KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op,
-               ": the shared expert's weights must be 16-byte aligned");
-    }
-  }
-  if (residual.has_value()) {
-    check_moe_tensor(*residual, op, "residual", at::kBFloat16, 2);
-    KD_CHECK(residual->sizes() == x.sizes() && residual->device() == x.device(), op, ": residual must be [T, H] = ",
-             x.sizes(), " on x's device, got ", residual->sizes());
-  }
+  const int64_t Is = check_shared_expert(op, x, shared_gate, shared_up, shared_down, residual);
+  const bool has_shared = Is > 0;
   const int64_t need = workspace_layout(d.T, d.topk, d.E, d.H, d.I, block_size, k_splits).total;
   at::Tensor workspace = at::empty({need}, x.options().dtype(at::kByte));
   at::Tensor out = at::empty_like(x);

@@ -273,31 +273,9 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   for (const at::Tensor* t : {&x, &gate, &up, &down})
     KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op,
              ": x, gate_proj, up_proj and down_proj must be 16-byte aligned");
-  const bool has_shared = shared_gate.has_value() || shared_up.has_value() || shared_down.has_value();
-  int64_t Is = 0;
-  if (has_shared) {
-    KD_CHECK(shared_gate.has_value() && shared_up.has_value() && shared_down.has_value(), op,
-             ": shared_gate, shared_up and shared_down come together");
-    check_cuda_tensor(*shared_gate, op, "shared_gate", at::kBFloat16, 2);
-    check_cuda_tensor(*shared_up, op, "shared_up", at::kBFloat16, 2);
-    check_cuda_tensor(*shared_down, op, "shared_down", at::kBFloat16, 2);
-    Is = shared_gate->size(0);
-    KD_CHECK(shared_gate->size(1) == H && shared_up->sizes() == shared_gate->sizes() && shared_down->size(0) == H &&
-                 shared_down->size(1) == Is && Is > 0 && Is % 8 == 0,
-             op, ": shared_gate / shared_up must be [Is, H = ", H, "] and shared_down [H, Is] with Is a positive "
-             "multiple of 8, got ", shared_gate->sizes(), ", ", shared_up->sizes(), ", ", shared_down->sizes());
-    for (const at::Tensor* t : {&*shared_gate, &*shared_up, &*shared_down}) {
-      KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
-      KD_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": the shared expert's weights must be "
-               "16-byte aligned");
-    }
-    KD_CHECK(T * (k + 1) <= 65535, op, ": at most 65535 token-slots with the shared expert, got T = ", T);
-  }
-  if (residual.has_value()) {
-    check_cuda_tensor(*residual, op, "residual", at::kBFloat16, 2);
-    KD_CHECK(residual->size(0) == T && residual->size(1) == H && residual->device() == x.device(), op,
-             ": residual must be [T, H] = [", T, ", ", H, "] on x's device, got ", residual->sizes());
-  }
+  const int64_t Is = check_shared_expert(op, x, shared_gate, shared_up, shared_down, residual);
+  const bool has_shared = Is > 0;
+  KD_CHECK(T * (k + 1) <= 65535 || !has_shared, op, ": at most 65535 token-slots with the shared expert, got T = ", T);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -73,3 +73,30 @@ def check_routing(op: str, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n
     if not 1 <= k <= max_topk:
         raise ValueError(f"{op}: top-k must be in [1, {max_topk}], got {k}")
     return k
+
+
+def check_shared_expert(op: str, x: torch.Tensor, shared_gate, shared_up, shared_down, residual) -> int:
+    """The optional shared expert of ``moe_gemv`` / ``int4_moe`` (all three or none: gate / up
+    [Is, H], down [H, Is] in x's dtype, Is a positive multiple of 8, on x's device) and the optional
+    residual ([T, H], x's dtype).  Returns Is (0 without a shared expert)."""
+    T, H = x.shape
+    shared = (shared_gate, shared_up, shared_down)
+    Is = 0
+    if any(t is not None for t in shared):
+        if any(t is None for t in shared):
+            raise ValueError(f"{op}: shared_gate, shared_up and shared_down come together")
+        for name, t in zip(("shared_gate", "shared_up", "shared_down"), shared):
+            check_tensor(op, name, t, x.dtype, 2)
+        check_same_device(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
+        Is = shared_gate.shape[0]
+        if (tuple(shared_gate.shape) != (Is, H) or tuple(shared_up.shape) != (Is, H)
+                or tuple(shared_down.shape) != (H, Is) or Is == 0 or Is % 8):
+            raise ValueError(f"{op}: shared_gate / shared_up must be [Is, H = {H}] and shared_down [H, Is] with Is a "
+                             f"positive multiple of 8, got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
+                             f"{tuple(shared_down.shape)}")
+    if residual is not None:
+        check_tensor(op, "residual", residual, x.dtype, 2)
+        check_same_device(op, x=x, residual=residual)
+        if tuple(residual.shape) != (T, H):
+            raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
+    return Is

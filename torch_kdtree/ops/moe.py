@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import check_routing, check_same_device, check_tensor, value_checks_active
+from ._checks import check_routing, check_same_device, check_shared_expert, check_tensor, value_checks_active
 
 GROUP_SIZES = (32, 64, 128)
 BLOCK_SIZES = (8, 16, 32, 64)  # token rows per expert block (the n side of the swapped GEMM)
@@ -370,30 +370,6 @@ def _check_moe(x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, 
         raise ValueError(f"{op}: expert_map values must be local expert indices in [0, {E}) or -1 (not on this rank)")
 
 
-def _check_shared(x, shared_gate, shared_up, shared_down, residual, op="int4_moe") -> None:
-    """The optional shared expert (all three or none: gate / up [Is, H], down [H, Is] in x's dtype)
-    and residual ([T, H], x's dtype)."""
-    given = [t is not None for t in (shared_gate, shared_up, shared_down)]
-    if any(given) and not all(given):
-        raise ValueError(f"{op}: shared_gate, shared_up and shared_down come together")
-    T, H = x.shape
-    if all(given):
-        for name, t in (("shared_gate", shared_gate), ("shared_up", shared_up), ("shared_down", shared_down)):
-            check_tensor(op, name, t, x.dtype, 2)
-        check_same_device(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
-        Is = shared_gate.shape[0]
-        if (shared_gate.shape[1] != H or tuple(shared_up.shape) != tuple(shared_gate.shape)
-                or tuple(shared_down.shape) != (H, Is) or Is == 0 or Is % 8):
-            raise ValueError(f"{op}: shared_gate / shared_up must be [Is, H = {H}] and shared_down [H, Is] with Is a "
-                             f"positive multiple of 8, got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
-                             f"{tuple(shared_down.shape)}")
-    if residual is not None:
-        check_tensor(op, "residual", residual, x.dtype, 2)
-        check_same_device(op, x=x, residual=residual)
-        if tuple(residual.shape) != (T, H):
-            raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
-
-
 def _dequant_expert(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_size: int) -> torch.Tensor:
     """Float32 [N, K] weight of expert e straight from the kernel layout."""
     nib = _from_kernel_nibbles(_unpack_nibbles(qweight[e : e + 1]).reshape(1, *qweight.shape[1:3], 1024))[0]
@@ -415,7 +391,7 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
     out-of-range ids first)."""
     _check_moe(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
                block_size, k_splits)
-    _check_shared(x, shared_gate, shared_up, shared_down, residual)
+    check_shared_expert("int4_moe", x, shared_gate, shared_up, shared_down, residual)
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w13_qweight.shape[0]
@@ -505,7 +481,7 @@ def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, t
     if shared is not None and (not isinstance(shared, (tuple, list)) or len(shared) != 3):
         raise ValueError("int4_moe: shared must be a (gate, up, down) tuple of tensors")
     sg, su, sd = shared if shared is not None else (None, None, None)
-    _check_shared(x, sg, su, sd, residual)
+    check_shared_expert("int4_moe", x, sg, su, sd, residual)
     return torch.ops.kdtree.int4_moe(x, *weights[:4], topk_ids, topk_weights, expert_map, weights.group_size,
                                      plan.block_size, plan.k_splits, sg, su, sd, residual)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_routing, check_same_device, check_tensor, value_checks_active
+from ._checks import check_routing, check_same_device, check_shared_expert, check_tensor, value_checks_active
 
 MAX_TOPK = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,26 +55,8 @@ def _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate
         raise ValueError(f"{op}: at most 65535 tokens and token-slots, got T = {T}, k = {k}")
     if value_checks_active(topk_ids) and topk_ids.numel() and ((topk_ids < 0) | (topk_ids >= E)).any():
         raise ValueError(f"{op}: topk_ids must be expert ids in [0, {E})")
-    shared = (shared_gate, shared_up, shared_down)
-    if any(t is not None for t in shared):
-        if any(t is None for t in shared):
-            raise ValueError(f"{op}: shared_gate, shared_up and shared_down come together")
-        for name, t in zip(("shared_gate", "shared_up", "shared_down"), shared):
-            check_tensor(op, name, t, x.dtype, 2)
-        check_same_device(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
-        Is = shared_gate.shape[0]
-        if (tuple(shared_gate.shape) != (Is, H) or tuple(shared_up.shape) != (Is, H)
-                or tuple(shared_down.shape) != (H, Is) or Is == 0 or Is % 8):
-            raise ValueError(f"{op}: shared_gate / shared_up must be [Is, H = {H}] and shared_down [H, Is] with Is a "
-                             f"positive multiple of 8, got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
-                             f"{tuple(shared_down.shape)}")
-        if T * (k + 1) > 65535:
-            raise ValueError(f"{op}: at most 65535 token-slots with the shared expert, got T = {T}")
-    if residual is not None:
-        check_tensor(op, "residual", residual, x.dtype, 2)
-        check_same_device(op, x=x, residual=residual)
-        if tuple(residual.shape) != (T, H):
-            raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
+    if check_shared_expert(op, x, shared_gate, shared_up, shared_down, residual) and T * (k + 1) > 65535:
+        raise ValueError(f"{op}: at most 65535 token-slots with the shared expert, got T = {T}")
 
 
 def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
