@@ -128,6 +128,43 @@ def test_greedy_ddtree_equals_autoregressive(kind, budget, block_size, R, seed, 
         assert (out.accept_lengths[out.accept_lengths > 0] == L + 1).all(), out.accept_lengths
 
 
+def int4_model(seed: int, **overrides):
+    """tiny_target with hidden 128 and experts' intermediate 64 (int4_moe's tiles), its routed
+    experts quantised to compressed-tensors INT4 (symmetric, groups of 32) and loaded with
+    set_int4: the model's INT4 paths (kdtree::int4_moe; on CUDA decode-sized passes fuse the
+    shared expert and the residual into it, tree verifies of more than 32 slots do not)."""
+    from torch_kdtree.models.kimi_k2 import KimiK2Experts
+    from torch_kdtree.models.kimi_k2.writer import pack_int4
+    model = tiny_target(seed, hidden_size=128, moe_intermediate_size=64, **overrides)
+    for experts in [m for m in model.modules() if isinstance(m, KimiK2Experts)]:
+        parts = []
+        for w in (experts.gate_proj, experts.up_proj, experts.down_proj):
+            E, N, K = w.shape
+            groups = w.detach().float().view(E, N, K // 32, 32)
+            scale = (groups.abs().amax(-1) / 7).clamp_min(1e-6).to(torch.bfloat16)
+            q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).view(E, N, K)
+            parts += [pack_int4(q), scale]
+        experts.set_int4(*parts)
+        assert experts.is_int4
+    return model
+
+
+int4_target = functools.lru_cache(maxsize=None)(int4_model)
+
+
+@pytest.mark.parametrize("kind,budget,seed", [("oracle_80", 6, 40), ("random_dflash", 12, 41)])
+def test_greedy_ddtree_equals_autoregressive_with_an_int4_target(kind, budget, seed):
+    model = int4_target(seed)
+    ids, mask = prompts(2, seed)
+    drafter = make_drafter(kind, model, seed, 4)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, drafter=drafter,
+                        tree_budget=budget, return_dict_in_generate=True)
+    assert torch.equal(dd.sequences, ar)
+    if kind == "oracle_80":
+        assert dd.mean_accept_length > 1.5  # drafts were accepted: tree verifies really ran
+
+
 @pytest.mark.parametrize("seed", range(20, 28))
 def test_greedy_ddtree_equals_autoregressive_over_seeds(seed):
     model = target(seed)
@@ -520,6 +557,26 @@ def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, compile_step=compile_step)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
                         tree_budget=budget, compile_step=compile_step)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+
+
+@requires_mla_cuda
+@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA"),
+                    reason="needs the int4_moe CUDA kernel")
+@pytest.mark.parametrize("kind,budget", [("oracle_80", 8), ("random_dflash", 16)])
+def test_cuda_int4_ddtree_equals_autoregressive(kind, budget):
+    """An INT4 target in bf16 with CUDA graphs: the autoregressive steps' MoE blocks take
+    int4_moe's decode path with the shared expert and residual fused in, the tree verifies (more
+    than 32 slots) the grouped path; DDTree output equals autoregressive output up to bf16 ties."""
+    model = int4_model(92, **GPU_HEADS).to("cuda", torch.bfloat16)
+    ids, mask = prompts(3, 92)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter(kind, model, 93, 6)
+    if not isinstance(drafter, OracleDrafter):
+        drafter = drafter.to("cuda", torch.bfloat16)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
+                        tree_budget=budget)
     assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
 
 
