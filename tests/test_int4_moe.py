@@ -277,6 +277,18 @@ def test_out_variant_writes_every_element_of_out(fresh_seed):
     assert torch.equal(out, int4_moe(x, w, ids, tw))
 
 
+def test_decode_path_shape_rule():
+    """int4_decode_path_fits mirrors csrc/moe_decode.cu's int4_decode_applies: T * k <= 32 slots,
+    k <= 16, H and k * I at most 16384 bf16 values."""
+    from torch_kdtree.ops.moe import int4_decode_path_fits
+    assert int4_decode_path_fits(1, 8, 7168, 256) and int4_decode_path_fits(4, 8, 7168, 256)
+    assert not int4_decode_path_fits(5, 8, 7168, 256)           # 40 slots
+    assert int4_decode_path_fits(1, 8, 7168, 2048)              # K2 TP-1: k * I = 16384
+    assert not int4_decode_path_fits(1, 8, 7168, 2112)
+    assert int4_decode_path_fits(2, 4, 16384, 256) and not int4_decode_path_fits(2, 4, 16512, 256)
+    assert int4_decode_path_fits(2, 16, 1024, 512) and not int4_decode_path_fits(1, 17, 1024, 64)
+
+
 def test_plan_is_a_function_of_shapes_only():
     small = int4_moe_plan(1, 8, 384, 7168, 256, "cpu")
     assert small.block_size == 8 and small.k_splits > 1

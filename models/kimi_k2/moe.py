@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_router
+from torch_kdtree.ops.moe import int4_decode_path_fits
 from torch_kdtree.ops.moe_router import MAX_HIDDEN as _ROUTER_MAX_H
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
@@ -53,15 +54,13 @@ _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 # in the same launch, went 0.3850 -> 0.3925, so INT4 blocks keep inductor's norm + router + shared
 # kernels.  KDTREE_ROUTER_GEMV=0 turns it off (read at import).
 _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
-# INT4 experts on CUDA, decode-sized passes (T * k <= _INT4_DECODE_SLOTS, int4_moe's decode path):
+# INT4 experts on CUDA, decode-sized passes (the shapes of int4_moe's decode path):
 # the shared expert and the residual add inside kdtree::int4_moe's two launches
 # (KimiK2MoE._int4_shared_fits).  On the H200 (RESULTS.md runs 92-93) k2_slice went 0.3751 -> 0.3622
 # and 0.3730 -> 0.3581 ms per step; with the norm and router logits also in a kdtree::gemv launch
 # (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.
 # KDTREE_INT4_SHARED=0 turns it off (read at import).
 _INT4_SHARED = os.environ.get("KDTREE_INT4_SHARED", "1") != "0"
-_INT4_DECODE_SLOTS = 32  # csrc/moe_decode.h kInt4DecodeMaxSlots: the decode path's shapes
-_INT4_DECODE_BYTES = 32 * 1024  # kInt4DecodeMaxBytes (a token's x, or its k * I activations, in bf16)
 _HAS_INT4_MOE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
 
 
@@ -445,18 +444,18 @@ class KimiK2MoE(nn.Module):
     def _int4_shared_fits(self, x: torch.Tensor) -> bool:
         """INT4 experts whose decode-sized CUDA calls take the shared expert (plain bf16 weights,
         intermediate size a multiple of 8) and the residual add into kdtree::int4_moe's decode path
-        (x bf16 with T * k <= _INT4_DECODE_SLOTS token-slots, the path's size limits), nothing hooked (a tensor-parallel
-        wrapper reducing the block's output must see the MoE output alone)."""
+        (x bf16 of a shape that path takes, ``int4_decode_path_fits``), nothing hooked (a
+        tensor-parallel wrapper reducing the block's output must see the MoE output alone)."""
         shared = self.shared_experts
         if not (_INT4_SHARED and _HAS_INT4_MOE_CUDA and self.experts.is_int4 and shared is not None):
             return False
         hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (self, shared, self.experts))
-        k, H, I = self.gate.top_k, x.shape[-1], self.experts.w13_qweight.shape[1] * 8
+        w = self.experts.int4_weights()
         return (not hooked and gemv._on_gpu(x) and x.dtype == torch.bfloat16
-                and x.numel() // H * k <= _INT4_DECODE_SLOTS and 2 * k * I <= _INT4_DECODE_BYTES
-                and 2 * H <= _INT4_DECODE_BYTES
-                and shared.gate_proj.weight.shape[0] % 8 == 0 and plain_bf16(shared.gate_proj, shared.up_proj,
-                                                                            shared.down_proj))
+                and int4_decode_path_fits(x.numel() // x.shape[-1], self.gate.top_k, w.hidden_size,
+                                          w.intermediate_size)
+                and shared.gate_proj.weight.shape[0] % 8 == 0
+                and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
         """The routed experts go to kdtree::moe_gemv and the shared expert's weights are plain bf16

@@ -793,9 +793,10 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
   if (d.T == 0) return out;
   if ((has_shared || residual.has_value()) && int4_decode_applies(d.T, d.topk, d.H, d.I)) {
     // the decode path computes the shared expert and adds the residual in its two launches
-    at::Tensor act_s = at::empty({d.T, std::max<int64_t>(Is, 1)}, x.options());
     Int4DecodeExtra extra{};
+    at::Tensor act_s;  // the shared expert's activations [T, Is]
     if (has_shared) {
+      act_s = at::empty({d.T, Is}, x.options());
       extra.shared_gate = reinterpret_cast<const bf16*>(shared_gate->data_ptr());
       extra.shared_up = reinterpret_cast<const bf16*>(shared_up->data_ptr());
       extra.shared_down = reinterpret_cast<const bf16*>(shared_down->data_ptr());

@@ -267,8 +267,8 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   // each before the wait (weights), the rest after it.
   constexpr int kShFirst = 1;
   const int sch = Is / 8;
-  const uint4* sdr = kShared ? reinterpret_cast<const uint4*>(shared_down + int64_t(16 * m + 2 * warp) * Is)
-              : nullptr;
+  const uint4* sdr =
+      kShared ? reinterpret_cast<const uint4*>(shared_down + int64_t(16 * m + 2 * warp) * Is) : nullptr;
   uint4 sw[2][kShFirst];
   if (kShared) {
 #pragma unroll
@@ -363,8 +363,6 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
 // unsplit as fast or faster at T 2 and 4), else about one block per SM; at most a portable
 // cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n instead
 // (tuning runs and tests; the same bounds apply).
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 int up_splits(const Int4DecodeArgs& a, int sms) {
   const int64_t units = a.I / 16 * a.T * a.topk;
   int64_t want = 2 * units >= sms ? 1 : (sms + units - 1) / units;
@@ -386,7 +384,7 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const int KC = H / 64, per_split = (KC + splits - 1) / splits;
   const size_t up_smem = size_t(kWarps) * kStages * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
   // shared-expert blocks: ns rows of I / 16 blocks per token, kShRows gate and up rows each
-  const int Is = int(a.extra.Is), ns = Is > 0 ? int((ceil_div(Is, kShRows) + I / 16 - 1) / (I / 16)) : 0;
+  const int Is = int(a.extra.Is), sh_rows = kShRows * (I / 16), ns = (Is + sh_rows - 1) / sh_rows;
   const auto up = Is > 0 ? &int4_decode_up_kernel<IdT, true> : &int4_decode_up_kernel<IdT, false>;
   allow_smem(up, up_smem);
   launch_kernel_ex(up, dim3(unsigned(I / 16), unsigned(T * (k + ns)), unsigned(splits)), dim3(kThreads),

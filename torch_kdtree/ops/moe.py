@@ -46,6 +46,8 @@ TILE_K = 64    # k per weight tile (four k16 steps)
 CTA_N = 128    # channels per CTA in both GEMMs (4 warps x 2 tiles)
 _ALIGN = 256   # workspace regions start on 256-byte boundaries
 _TARGET_CTAS = 2048  # gate/up CTAs the split-K aims for (several waves of ~8 resident per SM)
+DECODE_MAX_SLOTS = 32         # csrc/moe_decode.h kInt4DecodeMaxSlots: T * k of a decode-path call
+DECODE_MAX_BYTES = 32 * 1024  # kInt4DecodeMaxBytes: a token's x, or its k * I activations, in bf16
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -294,6 +296,14 @@ def int4_moe_workspace_bytes(num_tokens: int, topk: int, num_experts: int, hidde
     regions = [16, 4 * R, 4 * B, 4 * B * N1 if split else 0, 2 * R * intermediate_size,
                4 * k_splits * B * N1 * CTA_N * block_size if split else 0, 2 * M * hidden_size]
     return sum(_round_up(r, _ALIGN) for r in regions)
+
+
+def int4_decode_path_fits(num_tokens: int, topk: int, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether a CUDA call of this shape takes the two-launch decode path (csrc/moe_decode.cu's
+    ``int4_decode_applies``, without its ``KDTREE_INT4_DECODE`` switch): T * k <= 32 slots,
+    k <= 16, and a token's x and its k * I activations fit the kernels' 32 KB of bf16."""
+    return (num_tokens * topk <= DECODE_MAX_SLOTS and topk <= MAX_TOPK and 2 * topk * intermediate_size
+            <= DECODE_MAX_BYTES and 2 * hidden_size <= DECODE_MAX_BYTES)
 
 
 def int4_moe_plan(num_tokens: int, topk: int, num_experts: int, hidden_size: int, intermediate_size: int,
