@@ -672,3 +672,82 @@ def test_two_stage_argmax_is_the_first_maximum():
     assert argmax_last(tied).tolist() == [5, ARGMAX_CHUNK + 7]
     odd = torch.randn(2, V + 3, generator=g)  # not a multiple of the chunk: one stage
     assert torch.equal(argmax_last(odd), odd.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------------
+# inductor's programmatic dependent launch in the compiled steps
+# ------------------------------------------------------------------------------------------------
+
+def test_inductor_options_add_pdl_on_cuda_devices_of_sm90_and_newer(monkeypatch):
+    from torch_kdtree.models.generation.session import PDL_OPTION, inductor_options
+
+    opts = {"combo_kernels": True}
+    out = inductor_options(opts, torch.device("cpu"))
+    assert out == opts and out is not opts
+    monkeypatch.delenv("KDTREE_INDUCTOR_PDL", raising=False)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    has_option = hasattr(torch._inductor.config.triton, PDL_OPTION.split(".")[1])
+    cuda = torch.device("cuda")
+    assert inductor_options(opts, cuda) == ({**opts, PDL_OPTION: True} if has_option else opts)
+    assert opts == {"combo_kernels": True}  # not changed in place
+    assert inductor_options({}, cuda) == ({PDL_OPTION: True} if has_option else {})
+    assert inductor_options({PDL_OPTION: False}, cuda) == {PDL_OPTION: False}  # the caller's choice wins
+    capability[0] = (8, 0)
+    assert inductor_options(opts, cuda) == opts
+    capability[0] = (12, 0)
+    assert inductor_options(opts, cuda) == ({**opts, PDL_OPTION: True} if has_option else opts)
+    monkeypatch.setenv("KDTREE_INDUCTOR_PDL", "0")
+    assert inductor_options(opts, cuda) == opts
+
+
+@pytest.mark.parametrize("compile_step, expected", [
+    (True, {"backend": "inductor"}),
+    ("combo", {"backend": "inductor", "options": {"combo_kernels": True}}),
+    ({"max_autotune": False}, {"backend": "inductor", "options": {"max_autotune": False}}),
+    ("aot_eager", {"backend": "aot_eager"}),
+])
+def test_session_compiles_steps_with_inductor_options(monkeypatch, compile_step, expected):
+    """The session hands torch.compile the backend and inductor_options' options (on the CPU: the
+    caller's options alone)."""
+    from torch_kdtree.models.generation import session as session_mod
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append(kw)
+        return fn
+
+    monkeypatch.setattr(session_mod.torch, "compile", fake_compile)
+    model = tiny_target(41)
+    session_mod.GenerationSession(model, None, batch_size=1, max_prompt=8, max_new=4, budgets=(0,),
+                                  compile_step=compile_step)
+    assert seen == [{"fullgraph": True, "dynamic": False, **expected}]
+
+
+@requires_mla_cuda
+def test_cuda_compiled_steps_triton_kernels_wait_before_reading_predecessors():
+    """With inductor's PDL on (the default of compiled steps on sm_90+), every Triton kernel of the
+    compiled autoregressive and DDTree steps that is launched with PDL calls gdc_wait: a kernel that
+    never waits could finish before its predecessor, and the next kernel's wait would then not
+    cover the predecessor's writes.  At least one kernel must be launched with PDL (the option is
+    really applied)."""
+    from torch._inductor import utils as inductor_utils
+
+    from torch_kdtree.models.generation.session import PDL_OPTION, inductor_options
+
+    if PDL_OPTION not in inductor_options({}, torch.device("cuda")):
+        pytest.skip("inductor PDL does not apply here (torch without the option, pre-sm_90, or KDTREE_INDUCTOR_PDL=0)")
+    model = gpu_target(97)
+    ids, mask = prompts(2, 97)
+    drafter = make_drafter("random_dflash", model, 98, 4).to("cuda", torch.bfloat16)
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    with fresh():
+        _, codes = inductor_utils.run_and_get_code(
+            lambda: model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, eos_token_id=None,
+                                   drafter=drafter, tree_budget=8))
+    kernels = [chunk.split("''', device_str")[0] for code in codes for chunk in code.split("async_compile.triton(")[1:]]
+    pdl = [k for k in kernels if "'launch_pdl': True" in k]
+    assert pdl, f"no Triton kernel launched with PDL among the {len(kernels)} of the compiled steps"
+    no_wait = [k.split("'")[1] for k in pdl if "gdc_wait" not in k]
+    assert not no_wait, f"Triton kernels launched with PDL that never wait: {no_wait}"
