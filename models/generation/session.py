@@ -280,7 +280,11 @@ class GenerationSession:
         j = torch.arange(new.shape[1], device=new.device)
         valid = (j[None, :] < count[:, None]) & active[:, None]
         col = torch.where(valid, self.out_len[:, None] + j, self.width - 1).clamp(max=self.width - 1)
-        self.out.scatter_(1, col, new)
+        # index_put_, not scatter_: inductor fuses it into the step's bookkeeping kernel, where
+        # scatter_ ran as a separate ATen kernel (RESULTS.md run 101); the masked writes share the
+        # sink column either way
+        rows = torch.arange(new.shape[0], device=new.device)[:, None].expand_as(col)
+        self.out.index_put_((rows, col), new)
         hit_eos = (self._is_eos(new) & valid).any(1)
         self.out_len.add_(torch.where(active, count.long(), 0))
         self.done.logical_or_(hit_eos | (self.out_len >= self.max_new_t))
