@@ -57,6 +57,16 @@ constexpr int kScaleBytes = 64;  // a tile's scales over its 64 k: at most two g
 constexpr int kShRows = 4;       // gate/up: shared-expert rows of gate (and of up) per block
 constexpr int kShBatch = 4;      // 16-byte chunks per lane of a shared-expert row in flight together
 
+// Blocks per SM the kernels are built for.  sm_90: 5 (48 registers, no spills): gate/up and down
+// blocks resident together.  sm_120: 4 (64 registers): at 5, ptxas spilled 36-48 bytes of the
+// shared-expert instantiations there, the pre-wait loads of shared_down among them (an early load
+// stored to the stack stalls on its data).  Neither sm_120 setting has been timed.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define KD_INT4_DECODE_MIN_BLOCKS 4
+#else
+#define KD_INT4_DECODE_MIN_BLOCKS 5
+#endif
+
 template <typename IdT>
 __device__ __forceinline__ int local_expert_l2(const IdT* ids, int64_t i, const int32_t* emap, int num_global, int E) {
   const int64_t id = static_cast<int64_t>(__ldcg(ids + i));
@@ -159,7 +169,7 @@ __device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t
 // kShared: the launch has shared-expert blocks (a separate instantiation, so that calls without
 // one run the same code as before it existed).
 template <typename IdT, bool kShared>
-__global__ void __launch_bounds__(kThreads, 5)  // 48 registers: gate/up and down blocks resident together
+__global__ void __launch_bounds__(kThreads, KD_INT4_DECODE_MIN_BLOCKS)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
                       int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act,
@@ -250,7 +260,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
 }
 
 template <typename IdT, bool kShared>
-__global__ void __launch_bounds__(kThreads, 5)  // 48 registers: gate/up and down blocks resident together
+__global__ void __launch_bounds__(kThreads, KD_INT4_DECODE_MIN_BLOCKS)
 int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ w2q, const bf16* __restrict__ w2s,
                         const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
                         const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
