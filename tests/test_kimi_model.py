@@ -928,50 +928,6 @@ def test_decode_router_takes_the_norm_into_one_gemv(compiled, shared, monkeypatc
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_router_logits_take_one_gemv_for_decode_sized_bf16_inputs(compiled, monkeypatch):
-    """On CUDA (forced here; the ops' CPU kernels run) a decode-sized bf16 input that reaches the router
-    (the INT4 blocks' path) gets its fp32 logits from one kdtree::gemv launch without a prologue, and
-    the same choice as the fp32 F.linear form; fp32 inputs, more than FUSED_ROWS rows, a hooked
-    router and the switch keep the other forms."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
-                                                n_group=4, topk_group=2))
-    torch.manual_seed(3)
-    gate = moe.KimiK2Router(cfg)
-    with torch.no_grad():
-        gate.weight.normal_(0, 0.2)
-        gate.e_score_correction_bias.normal_(0, 0.1)
-    gate = gate.to(torch.bfloat16)
-    assert gate.e_score_correction_bias.dtype == torch.float32
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    want = gate(x)  # CPU: fp32 F.linear
-    assert not gate.logits_gemv_ok(x)
-    calls = []
-    real = moe.fused_gemv
-
-    def counted(x, weights, *args, **kwargs):
-        calls.append((tuple(w.shape[0] for w in weights), args, kwargs))
-        return real(x, weights, *args, **kwargs)
-
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "fused_gemv", counted)
-    assert gate.logits_gemv_ok(x)
-    got = call_maybe_compiled(gate, compiled, x)
-    assert calls == [((16,), (), {"fp32_outputs": 1})]
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
-    assert not gate.logits_gemv_ok(x.float())
-    assert not gate.logits_gemv_ok(torch.randn(5, 64).to(torch.bfloat16))  # past FUSED_ROWS
-    handle = gate.register_forward_pre_hook(lambda m, a: None)
-    assert not gate.logits_gemv_ok(x)
-    handle.remove()
-    monkeypatch.setattr(moe, "_ROUTER_LOGITS_GEMV", False)
-    assert not gate.logits_gemv_ok(x)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeypatch):
     """On CUDA (forced here) a decode-sized bf16 MoE block makes one kdtree::moe_gemv call that also
     computes the shared expert: the routed + shared sum of the module calls (bf16 tolerance)."""

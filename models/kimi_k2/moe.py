@@ -61,11 +61,6 @@ _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
 # (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.
 # KDTREE_INT4_SHARED=0 turns it off (read at import).
 _INT4_SHARED = os.environ.get("KDTREE_INT4_SHARED", "1") != "0"
-# Decode-sized bf16 router inputs on CUDA that reach KimiK2Router.forward (INT4 blocks: their norm
-# stays inductor's, see above): the logits from one kdtree::gemv launch without a prologue, whose
-# weight copies are issued before its programmatic-launch wait, instead of inductor's multiply + sum
-# (RESULTS.md run 102).  KDTREE_ROUTER_LOGITS_GEMV=0 turns it off (read at import).
-_ROUTER_LOGITS_GEMV = os.environ.get("KDTREE_ROUTER_LOGITS_GEMV", "1") != "0"
 _HAS_INT4_MOE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
 
 
@@ -152,24 +147,9 @@ class KimiK2Router(FixedDtype):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k]).  On CUDA the choice is
-        one ``kdtree::moe_route`` launch (same rule, ties lower expert id first), eager or compiled.
-        The fp32 logits: decode-sized bf16 inputs on CUDA with a plain bf16 weight take one
-        ``kdtree::gemv`` launch (:meth:`logits_gemv_ok`), compiled CUDA passes otherwise inductor's
-        multiply + sum, the rest an fp32 ``F.linear``."""
-        if self.logits_gemv_ok(x):
-            (logits,) = fused_gemv(x, [self.weight], fp32_outputs=1)
-        elif use_gemv(x, self.weight):
-            logits = matvec(x, self.weight)
-        else:
-            logits = F.linear(x.float(), self.weight.float())
+        one ``kdtree::moe_route`` launch (same rule, ties lower expert id first), eager or compiled."""
+        logits = matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
         return self.route(logits)
-
-    def logits_gemv_ok(self, x: torch.Tensor) -> bool:
-        """The router's logits from one ``kdtree::gemv`` launch (no prologue, fp32 sums): x bf16 on
-        CUDA with at most gemv.FUSED_ROWS rows, the weight plain bf16, nothing hooked
-        (``KDTREE_ROUTER_LOGITS_GEMV``; the blocks whose norm and logits already share a gemv launch,
-        :meth:`KimiK2MoE.route_gemv`, do not come here)."""
-        return _ROUTER_LOGITS_GEMV and use_fused(x, self)
 
     def _use_route_op(self, logits: torch.Tensor) -> bool:
         return gemv._on_gpu(logits) and self.route_op_fits()
