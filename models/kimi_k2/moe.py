@@ -58,7 +58,9 @@ _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
 # the shared expert and the residual add inside kdtree::int4_moe's two launches
 # (KimiK2MoE._int4_shared_fits).  On the H200 (RESULTS.md runs 92-93) k2_slice went 0.3751 -> 0.3622
 # and 0.3730 -> 0.3581 ms per step; with the norm and router logits also in a kdtree::gemv launch
-# (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.
+# (route_gemv) it was 0.3776, so INT4 blocks keep inductor's norm and router kernels.  The router's
+# logits alone in a kdtree::gemv launch (no prologue, after inductor's norm) were slower too (run
+# 102: 0.3619 vs 0.3449).
 # KDTREE_INT4_SHARED=0 turns it off (read at import).
 _INT4_SHARED = os.environ.get("KDTREE_INT4_SHARED", "1") != "0"
 _HAS_INT4_MOE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
