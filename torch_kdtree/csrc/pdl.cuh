@@ -21,6 +21,12 @@
 //     mla_tree_attention's committed cache rows, lengths and block table when its caller passes
 //     prefix_ready (the predecessor, ours or a plain launch that started only after everything
 //     before it had completed, does not write them).
+// Inductor's Triton kernels in the compiled generation steps are PDL launches too
+// (models/generation/session.py, inductor_options): each waits (gdc_wait) before it reads what its
+// predecessor wrote and triggers (gdc_launch_dependents) only after a wait, so the two-kernels-back
+// rule above holds across them as long as every one of them waits somewhere -- a Triton kernel
+// that never waited could complete before its predecessor.  tests/test_generate.py checks that
+// every PDL-launched Triton kernel of the compiled AR and DDTree steps calls gdc_wait.
 // Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
 // KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs); likewise
 // KDTREE_PREWAIT for the pre-wait loads into registers and shared memory (gemv, moe_gemv, mla).
