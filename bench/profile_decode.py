@@ -1,11 +1,17 @@
 """Where a decode / verify step's GPU time goes: a kernel table per step (torch.profiler) and
-graph-replay step times with and without ``torch.compile`` of the step.
+graph-replay step times with and without ``torch.compile`` of the step; or (``--timeline``) the
+launches of one compiled, graph-replayed step in order, with their start, duration and the gap to
+the previous launch's end (negative: the launch was resident before its predecessor ended, as
+programmatic-dependent-launch kernels are).
 
 Run (GPU):  python -m bench.profile_decode [2p2b|k2_slice ...]   (writes tables to $OUT or /tmp)
+            python -m bench.profile_decode --timeline [2p2b|k2_slice ...]   (AR and B = 16 steps)
 The configurations and random models are bench/bench_generate.py's.
 """
+import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -61,13 +67,65 @@ def replay_times(name: str, compile_step) -> None:
           f"ratio {ms[16] / ms[0]:.2f} (setup {setup:.0f} s)", flush=True)
 
 
-def main(names):
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def step_timeline(events: list, steps: int) -> list[str]:
+    """The last of ``steps`` profiled steps from a Chrome trace's ``traceEvents``: its device
+    launches (kernels, copies, memsets) in start order, one line each -- start and duration in us
+    from the step's first launch, the gap after the latest end so far (negative: it overlapped),
+    the name -- after a header with the step's span.  Every step must have launched the same
+    number of times (replays of one graph do)."""
+    launches = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e),
+                      key=lambda e: e["ts"])
+    if steps < 1 or not launches or len(launches) % steps:
+        raise ValueError(f"step_timeline: {len(launches)} device launches do not split into {steps} equal steps")
+    step = launches[-len(launches) // steps:]
+    t0 = step[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in step)
+    lines = [f"{len(step)} launches, {end - t0:.1f} us from the first start to the last end"]
+    prev_end = t0
+    for e in step:
+        lines.append(f"{e['ts'] - t0:8.2f} {e['dur']:7.2f} gap {e['ts'] - prev_end:6.2f}  {e['name'][:120]}")
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    return lines
+
+
+def timeline(name: str, budget: int) -> None:
+    """The launches of one compiled (combo), graph-replayed step at ``budget`` (step_timeline), to
+    $OUT/timeline_<name>_B<budget>.txt.  The profiler lengthens the step by a few percent."""
+    s = _session(name, (budget,), cuda_graphs=True, compile_step="combo")
+    for _ in range(3):
+        s.step(budget)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            s.step(budget)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    lines = step_timeline(events, STEPS)
+    lines[0] = f"{name} B={budget}: {lines[0]}"
+    print(lines[0], flush=True)
+    with open(os.path.join(OUT, f"timeline_{name}_B{budget}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(args):
+    if args and args[0] == "--timeline":
+        for name in args[1:] or ["2p2b", "k2_slice"]:
+            for b in (0, 16):
+                timeline(name, b)
+        return
     compiled = os.environ.get("PROFILE_COMPILE", "1") == "1"
-    for name in names:
+    for name in args or ["2p2b", "k2_slice"]:
         for b in (0, 16):
             kernel_table(name, b, compiled)
         replay_times(name, compiled)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["2p2b", "k2_slice"])
+    main(sys.argv[1:])
