@@ -96,6 +96,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _nope_dim(q: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    """dn: q's last dimension minus dr, the cache row's rope part (the row minus norm_weight's dc)."""
+    return q.shape[-1] - (kv_cache.shape[-1] - norm_weight.shape[0])
+
+
 def mla_prepare_reference(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float, w_kv_b: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slots: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -105,7 +110,7 @@ def mla_prepare_reference(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor,
     dc = norm_weight.shape[0]
     D = kv_cache.shape[3]
     dr = D - dc
-    dn = q.shape[2] - dr
+    dn = _nope_dim(q, norm_weight, kv_cache)
     q_nope, q_pe = q.split([dn, dr], dim=-1)
     q_rope = _rope(q_pe, cos[:, None, :], sin[:, None, :], interleave)
     c, k_pe = ckv.split([dc, dr], dim=-1)
@@ -301,8 +306,8 @@ def mla_decode_reference(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, 
     scheduling hint for the CUDA kernel; it does not change the result)."""
     _check_decode(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens,
                   softmax_scale)
-    R, heads, qd = q.shape
-    dn = qd - (kv_cache.shape[3] - norm_weight.shape[0])
+    R, heads, _ = q.shape
+    dn = _nope_dim(q, norm_weight, kv_cache)
     query = mla_prepare_reference(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, interleave)
     visible = torch.ones((R, 1, 1), dtype=torch.bool, device=q.device)
     out = mla_tree_attention_output_reference(query.view(R, 1, heads, -1), kv_cache[layer], block_table, cache_lens,
@@ -343,9 +348,8 @@ torch.library.register_kernel("kdtree::mla_decode", "cpu", mla_decode_reference)
 @torch.library.register_fake("kdtree::mla_decode")
 def _(q, ckv, cos, sin, norm_weight, eps, w_kv_b, kv_cache, layer, slots, block_table, cache_lens, softmax_scale,
       interleave, prefix_ready=False):
-    R, heads, qd = q.shape
-    dn = qd - (kv_cache.shape[3] - norm_weight.shape[0])
-    return q.new_empty((R, heads, w_kv_b.shape[0] // heads - dn))
+    R, heads, _ = q.shape
+    return q.new_empty((R, heads, w_kv_b.shape[0] // heads - _nope_dim(q, norm_weight, kv_cache)))
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "mla_output", "mla_output_reference", "mla_prepare",
