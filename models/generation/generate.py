@@ -147,10 +147,10 @@ class DDTreeGenerationMixin(GenerationMixin):
             cuda_graphs: capture each step in a CUDA graph and replay it (CUDA only).
             compile_step: also run the step through ``torch.compile(fullgraph=True)``
                 (True: inductor; ``"combo"`` / ``"tuned"``: inductor with session.INDUCTOR_OPTIONS;
-                a backend name; or a dict of inductor options).  Inductor compiles add
-                programmatic dependent launch on sm_90+ (session.inductor_options).  ``"auto"`` (default): ``"combo"``
-                when the steps are CUDA graphs on a CUDA device (each budget's step compiles once
-                per session, ~15 s), else eager.  ``"tuned"`` adds coordinate-descent tuning
+                a backend name; or a dict of inductor options); inductor compiles add
+                programmatic dependent launch on sm_90+ (session.inductor_options).  ``"auto"``
+                (default): ``"combo"`` when the steps are CUDA graphs on a CUDA device (each
+                budget's step compiles once per session, ~15 s), else eager.  ``"tuned"`` adds coordinate-descent tuning
                 (~65-85 s of compile per budget the first time, cached on disk by inductor; on
                 the 2p2b decode step it measured no faster than ``"combo"`` in run 31).
             page_size: tokens per page of the paged latent cache.
