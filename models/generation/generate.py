@@ -150,9 +150,10 @@ class DDTreeGenerationMixin(GenerationMixin):
                 a backend name; or a dict of inductor options); inductor compiles add
                 programmatic dependent launch on sm_90+ (session.inductor_options).  ``"auto"``
                 (default): ``"combo"`` when the steps are CUDA graphs on a CUDA device (each
-                budget's step compiles once per session, ~15 s), else eager.  ``"tuned"`` adds coordinate-descent tuning
-                (~65-85 s of compile per budget the first time, cached on disk by inductor; on
-                the 2p2b decode step it measured no faster than ``"combo"`` in run 31).
+                budget's step compiles once per session, ~15 s), else eager.  ``"tuned"`` adds
+                coordinate-descent tuning (~65-85 s of compile per budget the first time, cached
+                on disk by inductor; on the 2p2b decode step it measured no faster than
+                ``"combo"`` in run 31).
             page_size: tokens per page of the paged latent cache.
 
         Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
