@@ -32,9 +32,8 @@ def _session(name, budgets, **kw):
     return s
 
 
-def kernel_table(name: str, budget: int, compiled: bool = False) -> None:
-    """Kernels of STEPS steps: eager ops, or (compiled) inductor's code replayed in the graphs."""
-    s = _session(name, (0, budget), cuda_graphs=compiled, compile_step=compiled)
+def _profiled_steps(s, budget: int):
+    """Two warm-up steps at ``budget``, then the device activity of STEPS steps (torch.profiler)."""
     for _ in range(2):
         s.step(budget)
     torch.cuda.synchronize()
@@ -42,6 +41,12 @@ def kernel_table(name: str, budget: int, compiled: bool = False) -> None:
         for _ in range(STEPS):
             s.step(budget)
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(name: str, budget: int, compiled: bool = False) -> None:
+    """Kernels of STEPS steps: eager ops, or (compiled) inductor's code replayed in the graphs."""
+    prof = _profiled_steps(_session(name, (0, budget), cuda_graphs=compiled, compile_step=compiled), budget)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     launches = sum(e.count for e in events)
@@ -94,14 +99,7 @@ def step_timeline(events: list, steps: int) -> list[str]:
 def timeline(name: str, budget: int) -> None:
     """The launches of one compiled (combo), graph-replayed step at ``budget`` (step_timeline), to
     $OUT/timeline_<name>_B<budget>.txt.  The profiler lengthens the step by a few percent."""
-    s = _session(name, (budget,), cuda_graphs=True, compile_step="combo")
-    for _ in range(3):
-        s.step(budget)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            s.step(budget)
-        torch.cuda.synchronize()
+    prof = _profiled_steps(_session(name, (budget,), cuda_graphs=True, compile_step="combo"), budget)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
