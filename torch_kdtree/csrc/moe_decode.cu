@@ -18,8 +18,11 @@
 //      With a shared expert (bf16 gate / up [Is, H]; the <IdT, true> instantiations): T · ns more
 //      rows of blocks, each kShRows rows of gate and of up for one token, one warp per row (16-byte
 //      loads along the split's k range, kShBatch per lane in flight; before the wait -- these
-//      weights depend on no routing -- the first batch into registers and the rest into L2), then
-//      act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
+//      weights depend on no routing -- the first batch copied into shared memory and the rest
+//      into L2), then act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
+//      Both kinds of block copy their slice of x into shared memory right after the wait (cp.async),
+//      the routed ones before they read the routing and issue their weight copies, so that x is
+//      not queued behind them.
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
@@ -145,15 +148,16 @@ __device__ __forceinline__ void up_finish(const float* part, int rows, bf16* __r
 // A shared-expert block of gate/up (token t, rows r0 .. r0 + kShRows - 1 of gate and of up): warp w
 // takes row r0 + w % kShRows of gate (w < kShRows) or up over the split's k range [64 c0, 64 c1):
 // lane l its 16-byte chunks l, l + 32, ..., kShBatch of them in flight at a time; the first batch
-// was loaded before the wait (first).  Returns the warp's row sum in every lane.
+// was copied before the wait into the warp's shared-memory slots (first: chunk c at first[c]).
+// Returns the warp's row sum in every lane.
 __device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t* s_x, int c0, int c1,
-                                                const uint4 (&first)[kShBatch], int lane) {
+                                                const uint4* first, int lane) {
   const int n = 8 * (c1 - c0);  // chunks of the split
   const uint4* xs = reinterpret_cast<const uint4*>(s_x);
   float acc = 0.f;
 #pragma unroll
   for (int b = 0; b < kShBatch; ++b)
-    if (lane + 32 * b < n) acc = dot8(first[b], xs[lane + 32 * b], acc);
+    if (lane + 32 * b < n) acc = dot8(first[lane + 32 * b], xs[lane + 32 * b], acc);
   for (int c = lane + 32 * kShBatch; c < n; c += 32 * kShBatch) {
     uint4 w[kShBatch];
 #pragma unroll
@@ -192,16 +196,22 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     const uint4* row = reinterpret_cast<const uint4*>((warp < kShRows ? shared_gate : shared_up) + int64_t(r) * H) +
                        8 * c0;
     // Before the wait (the weights depend on no routing): the row's first kShBatch chunks per lane
-    // into registers, the rest into L2.
-    uint4 first[kShBatch];
+    // copied into the warp's slots of the (here unused) ring -- no registers held across the wait,
+    // where 4 uint4 of them made ptxas spill in-flight loads at the 48-register cap -- the rest
+    // into L2.  After it, x's copies (one round trip for all of them).
+    uint4* first = reinterpret_cast<uint4*>(smem) + warp * 32 * kShBatch;
+    static_assert(kWarps * 32 * kShBatch * 16 <= kWarps * kStages * 2 * (kTileBytes + kScaleBytes),
+                  "the first batches fit in the ring");
 #pragma unroll
     for (int b = 0; b < kShBatch; ++b)
-      if (mine && lane + 32 * b < 8 * (c1 - c0)) first[b] = ld_stream_early(row + lane + 32 * b);
+      if (mine && lane + 32 * b < 8 * (c1 - c0)) cp_async16(first + lane + 32 * b, row + lane + 32 * b);
     if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
     pdl_wait();  // x comes from an earlier kernel
     pdl_launch_dependents();
     const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(tok) * H + 64 * c0);
-    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
+    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) cp_async16(reinterpret_cast<uint4*>(s_x) + i, xg + i);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     const float v = mine ? shared_row_sum(row, s_x, c0, c1, first, lane) : 0.f;
     if (lane == 0 && warp < 2 * kShRows) part[(warp < kShRows ? 0 : 16) + warp % kShRows] = v;
@@ -211,6 +221,11 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   }
   pdl_wait();  // the routing and x come from earlier kernels
   pdl_launch_dependents();
+  // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
+  // memory queues: x does not depend on the expert, and every tile needs it.
+  const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H + 64 * c0);
+  for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) cp_async16(reinterpret_cast<uint4*>(s_x) + i, xg + i);
+  cp_async_commit();
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   char* ring = smem + warp * kStages * kPair;
@@ -231,9 +246,10 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     };
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(i);
-    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H + 64 * c0);
-    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) reinterpret_cast<uint4*>(s_x)[i] = __ldcg(xg + i);
+    cp_async_wait<kStages - 1>();  // x's group has landed (the stages' may not have)
     __syncthreads();
+    // Group accounting: x's group, then one per issue, so "at most kStages - 1 pending" after
+    // issue(i + kStages - 1) means tile pair i (and x's copies) have landed.
     for (int i = 0; i < n; ++i) {
       issue(i + kStages - 1);
       cp_async_wait<kStages - 1>();  // the warp's tile pair i has landed (every lane's copies, after the sync)
@@ -246,6 +262,8 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
       tile_mma(ru.q, ru.sp0, ru.sp1, load_b, cu);
       __syncwarp();  // every lane has read the stage before the next issue overwrites it
     }
+  } else {
+    cp_async_wait<0>();  // no copy into shared memory outlives the block
   }
   stash_rows(red[warp], cg_, lane);
   stash_rows(red[warp] + 16, cu, lane);
