@@ -61,9 +61,10 @@ constexpr int kShRows = 4;       // gate/up: shared-expert rows of gate (and of 
 constexpr int kShBatch = 4;      // 16-byte chunks per lane of a shared-expert row in flight together
 
 // Blocks per SM the kernels are built for.  sm_90: 5 (48 registers, no spills): gate/up and down
-// blocks resident together.  sm_120: 4 (64 registers): at 5, ptxas spilled 36-48 bytes of the
-// shared-expert instantiations there, the pre-wait loads of shared_down among them (an early load
-// stored to the stack stalls on its data).  Neither sm_120 setting has been timed.
+// blocks resident together.  sm_120: 4 (64 registers): at 5, ptxas spills 48 bytes of down's
+// shared-expert instantiation there, the pre-wait loads of shared_down among them (an early load
+// stored to the stack stalls on its data); gate/up no longer holds pre-wait loads in registers.
+// Neither sm_120 setting has been timed.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define KD_INT4_DECODE_MIN_BLOCKS 4
 #else
