@@ -3,7 +3,9 @@
 //
 // One block per token, one thread per expert (E <= 1024), everything in shared memory, one launch
 // (the three to four fused kernels inductor makes of the same torch code cost ~4 us a layer in the
-// decode step); the selection itself is route_select (route_select.cuh).
+// decode step); the selection itself is route_select (route_select.cuh).  Tried and removed: L2
+// prefetches of the chosen experts' weights issued from here, from one block or spread over a block
+// per SM (bench/RESULTS.md runs 103-104: 5-150 % slower decode steps).
 // Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
 // same code runs on sm_90 and sm_120.
 #include "check.h"
