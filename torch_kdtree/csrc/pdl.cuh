@@ -15,7 +15,8 @@
 //     coherence, so a prefetched line the predecessor is still writing is never read stale), loads
 //     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
 //     down and mla_absorb.cu's kernels, with ld_stream_early's coherent ld.global: ptxas moves a
-//     read-only ld.global.nc whose result is first used after griddepcontrol.wait to after it) and
+//     read-only ld.global.nc whose result is first used after griddepcontrol.wait to after it) or
+//     into shared memory (bulk copies or cp.async: gemv's ring, the INT4 decode kernels) and
 //     loads through L2 (ldcg, cp.async.cg) of data written two or more kernels back: the routing
 //     in a successor of one of our kernels (which trigger only after their wait), and
 //     mla_tree_attention's committed cache rows, lengths and block table when its caller passes
