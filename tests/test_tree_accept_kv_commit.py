@@ -163,9 +163,14 @@ def _chain_inputs(device, g, R=3, L=5, K=8, budget=20, vocab=64):
     post_table = torch.randint(0, vocab, (vocab,), generator=g)
     # make the toy target agree with the drafter's top choice often
     post_table[ids[0, :, 0]] = ids[0, :, 0].roll(-1)
-    kv = torch.randn(2, 16, 4, 8, generator=g)
-    bt = torch.randperm(16, generator=g)[:15].reshape(R, 5).to(torch.int32)
     lens = torch.tensor([0, 3, 7], dtype=torch.int32)[:R]
+    # Every tree row the commit may read sits at position lens[r] + node index (< budget + 1): the
+    # block table covers them all (5 pages did not, and a fresh seed accepting a late node of the
+    # last request failed kv_commit's range check).
+    page = 4
+    pages = (int(lens.max()) + budget + 1 + page - 1) // page
+    kv = torch.randn(2, R * pages + 1, page, 8, generator=g)
+    bt = torch.randperm(R * pages + 1, generator=g)[: R * pages].reshape(R, pages).to(torch.int32)
     return [t.to(device) for t in (lp, ids, roots, post_table, kv, bt, lens)] + [budget]
 
 
