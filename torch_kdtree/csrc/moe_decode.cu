@@ -146,6 +146,14 @@ __device__ __forceinline__ void up_finish(const float* part, int rows, bf16* __r
   cluster.sync();  // no block exits while rank 0 may still read its shared memory
 }
 
+// This block's slice of token t's x (k64 tiles [c0, c1), 128 bytes each) into s_x with cp.async, as
+// one copy group (the caller waits for it).
+__device__ __forceinline__ void copy_x(const bf16* x, int64_t t, int H, int c0, int c1, uint32_t* s_x) {
+  const uint4* xg = reinterpret_cast<const uint4*>(x + t * H + 64 * c0);
+  for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) cp_async16(reinterpret_cast<uint4*>(s_x) + i, xg + i);
+  cp_async_commit();
+}
+
 // A shared-expert block of gate/up (token t, rows r0 .. r0 + kShRows - 1 of gate and of up): warp w
 // takes row r0 + w % kShRows of gate (w < kShRows) or up over the split's k range [64 c0, 64 c1):
 // lane l its 16-byte chunks l, l + 32, ..., kShBatch of them in flight at a time; the first batch
@@ -209,9 +217,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
     pdl_wait();  // x comes from an earlier kernel
     pdl_launch_dependents();
-    const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(tok) * H + 64 * c0);
-    for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) cp_async16(reinterpret_cast<uint4*>(s_x) + i, xg + i);
-    cp_async_commit();
+    copy_x(x, tok, H, c0, c1, s_x);
     cp_async_wait<0>();
     __syncthreads();
     const float v = mine ? shared_row_sum(row, s_x, c0, c1, first, lane) : 0.f;
@@ -224,9 +230,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   pdl_launch_dependents();
   // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
   // memory queues: x does not depend on the expert, and every tile needs it.
-  const uint4* xg = reinterpret_cast<const uint4*>(x + int64_t(slot / topk) * H + 64 * c0);
-  for (int i = threadIdx.x; i < (c1 - c0) * 8; i += kThreads) cp_async16(reinterpret_cast<uint4*>(s_x) + i, xg + i);
-  cp_async_commit();
+  copy_x(x, slot / topk, H, c0, c1, s_x);
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   char* ring = smem + warp * kStages * kPair;
@@ -292,7 +296,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   __shared__ float s_sh[16];  // the shared expert's 16 rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int tok = blockIdx.y, m = blockIdx.x;
-  // The shared expert's rows 16 m + 2 w, 2 w + 1 (warp w): the first kShBatch / 2 chunks per lane of
+  // The shared expert's rows 16 m + 2 w, 2 w + 1 (warp w): the first kShFirst chunks per lane of
   // each before the wait (weights), the rest after it.
   constexpr int kShFirst = 1;
   const int sch = Is / 8;
