@@ -29,6 +29,13 @@ def compressed(E, N, K, gen):
     return packed, scale.to(torch.bfloat16)
 
 
+def close(out, ref, label: str) -> bool:
+    """Prints the relative error of out against ref; whether it is <= 1e-2 and out has no NaN."""
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    print(f"{label}: rel err {err:.2e}")
+    return err <= 1e-2 and not torch.isnan(out).any().item()
+
+
 def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     E, H, I = 12, 7168, 256
@@ -52,9 +59,7 @@ def main():
         out = torch.full_like(x, float("nan"))
         torch.ops.kdtree.int4_moe_out(x, *w[:4], ids, tw, m, 32, block_size, k_splits, ws, out)
         ref = int4_moe_reference(x, *w[:4], ids, tw, m, 32)
-        err = float((out.double() - ref.double()).norm() / ref.double().norm())
-        print(f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map}: rel err {err:.2e}")
-        ok &= err <= 1e-2 and not torch.isnan(out).any().item()
+        ok &= close(out, ref, f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map}")
     for T, k, Is, splits in [(1, 8, 256, None), (3, 4, 200, "3")]:
         if splits is not None:
             os.environ["KDTREE_INT4_DECODE_SPLITS"] = splits
@@ -67,9 +72,7 @@ def main():
         out = torch.ops.kdtree.int4_moe(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
         ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
         os.environ.pop("KDTREE_INT4_DECODE_SPLITS", None)
-        err = float((out.double() - ref.double()).norm() / ref.double().norm())
-        print(f"T={T} k={k} shared Is={Is} splits={splits} + residual: rel err {err:.2e}")
-        ok &= err <= 1e-2 and not torch.isnan(out).any().item()
+        ok &= close(out, ref, f"T={T} k={k} shared Is={Is} splits={splits} + residual")
     torch.cuda.synchronize()
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
