@@ -11,7 +11,10 @@
 //      (kB 16-byte chunks per lane each; a whole row of K <= 2048) into registers -- coherent
 //      loads, which ptxas keeps before the wait (bf16_vec.cuh's ld_stream_early); KDTREE_PREWAIT
 //      without "gemv" moves the first item's loads after the wait, where they are issued before
-//      anything else, and the second's into the main loop.
+//      anything else, and the second's into the main loop.  With an RMSNorm prologue, the thread's
+//      chunks of the norm weight are loaded before the wait too, ahead of the weights
+//      (KDTREE_PREWAIT without "gemv_norm": after it; RESULTS.md run 107: -0.7 % k2_slice, -0.8 %
+//      2p2b decode steps).
 //   1. So weight bytes are in flight during the prologue (and, with PDL, during the predecessor).
 //   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
 //      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
@@ -85,6 +88,8 @@ struct Params {
   int early;                      // items (0, 1 or 2) whose loads are issued before pdl_wait
                                   // (ring kernel: 0 or all of its stages)
   int stages;                     // ring kernel: stages per warp (2 .. kMaxStages)
+  int norm_early;                 // kRmsNorm: the thread's first kNormPrefetch norm-weight chunks are
+                                  // loaded before pdl_wait, ahead of the weight stream
   Segment seg[kMaxWeights];
   KD_TRACE_FIELD
 };
@@ -122,19 +127,30 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
 
 // The block's rows of the GEMV input (bf16) into shared memory: x, RMSNorm(x) · norm_weight or
 // silu(x) · up.  Every block computes it (a few KB from L2).
-__device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks) {
+// The thread's first kNormPrefetch chunks of the norm weight (kRmsNorm).  A model weight, so the
+// kernels load them before pdl_wait when p.norm_early, ahead of their weight stream: issued after the
+// wait, they were HBM misses queued behind every block's pre-issued weight copies (the norm weight
+// of a layer is long evicted from L2 by the next step).
+template <bool kEarly>
+__device__ __forceinline__ void load_norm(const Params& p, int chunks, uint4 (&gpre)[kNormPrefetch]) {
+  const uint4* g = reinterpret_cast<const uint4*>(p.aux);
+#pragma unroll
+  for (int i = 0; i < kNormPrefetch; ++i) {
+    const int c = threadIdx.x + kThreads * i;
+    if (c < chunks) gpre[i] = kEarly ? ld_stream_early(g + c) : __ldg(g + c);
+  }
+}
+
+__device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks,
+                                         uint4 (&gpre)[kNormPrefetch]) {
   __shared__ float partial[kMaxRows][kWarps];
   __shared__ float rscale[kMaxRows];
   const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
   if (p.prologue == kRmsNorm) {
-    // the norm weight's chunks of this thread, loaded with x (not after the reduction)
     const uint4* g = reinterpret_cast<const uint4*>(p.aux);
-    uint4 gpre[kNormPrefetch];
-#pragma unroll
-    for (int i = 0; i < kNormPrefetch; ++i) {
-      const int c = threadIdx.x + kThreads * i;
-      if (c < chunks) gpre[i] = __ldg(g + c);
-    }
+    // the norm weight's chunks of this thread: loaded before the wait (p.norm_early), else here,
+    // with x (not after the reduction)
+    if (!p.norm_early) load_norm<false>(p, chunks, gpre);
     float ss[kMaxRows];
 #pragma unroll
     for (int m = 0; m < kMaxRows; ++m) ss[m] = 0.f;
@@ -253,7 +269,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   };
   // Before the predecessor is done (PDL): this warp's first row into L2 and its first p.early
   // items into registers (weights only: no kernel writes them).
-  uint4 cur[kB], nxt[kB];
+  uint4 cur[kB], nxt[kB], gpre[kNormPrefetch];
+  if (p.norm_early) load_norm<true>(p, chunks, gpre);
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
     l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
@@ -270,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   pdl_launch_dependents();
 
   if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
-  prologue(p, xs, m0, rows, chunks);
+  prologue(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
@@ -342,6 +359,8 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
     ++fill;
     advance(rp, bp);
   };
+  uint4 gpre[kNormPrefetch];
+  if (p.norm_early) load_norm<true>(p, chunks, gpre);  // issued before the ring's copies
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(bar + s, 1);
     fence_mbar_init();
@@ -355,7 +374,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   pdl_launch_dependents();
   if (lane == 0 && p.early == 0)
     for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
-  prologue(p, xs, m0, rows, chunks);
+  prologue(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
@@ -545,6 +564,8 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   // KDTREE_GEMV_EARLY_ITEMS=1: only the first item before the wait (A/B runs; default 2)
   const char* items_env = std::getenv("KDTREE_GEMV_EARLY_ITEMS");
   p.early = !prewait_enabled("gemv") ? 0 : (items_env != nullptr && std::strcmp(items_env, "1") == 0) ? 1 : 2;
+  // KDTREE_PREWAIT naming groups without "gemv_norm": the norm weight is loaded after the wait (A/B)
+  p.norm_early = p.prologue == kRmsNorm && prewait_enabled("gemv_norm");
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();

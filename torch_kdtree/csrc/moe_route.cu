@@ -27,16 +27,19 @@ namespace {
 
 
 __global__ void __launch_bounds__(kRouteMaxExperts)
-moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, int n_group,
-                 int topk_group, bool renormalize, float scaling, int32_t* __restrict__ ids,
+moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, bool early_bias, int E, int k,
+                 int n_group, int topk_group, bool renormalize, float scaling, int32_t* __restrict__ ids,
                  float* __restrict__ weights KD_TRACE_PARAM) {
   __shared__ RouteSmem sm;
   KD_TRACE(trace, 0);
+  const int t = blockIdx.x, e = threadIdx.x;
+  // the correction bias is a model weight: loaded before the wait (after it, an HBM miss -- the bias
+  // is evicted from L2 between steps -- on the path from the logits to the experts)
+  const float b = e < E ? (early_bias ? ld_early_f32(bias + e) : bias[e]) : 0.f;
   pdl_wait();  // programmatic dependent launch (pdl.cuh): the logits come from the previous kernel
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
-  const int t = blockIdx.x, e = threadIdx.x;
-  route_select(e < E ? logits[int64_t(t) * E + e] : 0.f, bias, E, k, n_group, topk_group, renormalize, scaling,
+  route_select(e < E ? logits[int64_t(t) * E + e] : 0.f, b, E, k, n_group, topk_group, renormalize, scaling,
                ids + int64_t(t) * k, weights + int64_t(t) * k, sm);
   KD_TRACE(trace, 4);
 }
@@ -58,7 +61,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   const c10::cuda::CUDAGuard guard(logits.device());
   const int threads = int((std::max<int64_t>(E, n_group) + 31) / 32 * 32);
   launch_kernel(moe_route_kernel, dim3(unsigned(T)), dim3(unsigned(threads)), 0, at::cuda::getCurrentCUDAStream(),
-                pdl_enabled("moe_route"), logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group),
+                pdl_enabled("moe_route"), logits.data_ptr<float>(), bias.data_ptr<float>(),
+                prewait_enabled("moe_route"), int(E), int(top_k), int(n_group),
                 int(topk_group), renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>()
                 KD_TRACE_ARG(kTraceMoeRoute, dim3(unsigned(T))));
   return {ids, weights};

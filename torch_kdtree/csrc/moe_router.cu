@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) moe_router_kernel(const RouterParams
         logit += __ldcg(p.partial + ((int64_t(chunk) * p.rs + s) * p.rows_per_chunk + m) * p.E + e);
       p.logits[int64_t(m0 + m) * p.E + e] = logit;
     }
-    route_select(logit, p.bias, p.E, p.k, p.n_group, p.topk_group, p.renormalize, p.scaling,
+    route_select(logit, e < p.E ? p.bias[e] : 0.f, p.E, p.k, p.n_group, p.topk_group, p.renormalize, p.scaling,
                  p.ids + int64_t(m0 + m) * p.k, p.weights + int64_t(m0 + m) * p.k, sm);
     __syncthreads();
   }

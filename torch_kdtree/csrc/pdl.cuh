@@ -14,8 +14,9 @@
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale), loads
 //     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
-//     down and mla_absorb.cu's kernels, with ld_stream_early's coherent ld.global: ptxas moves a
-//     read-only ld.global.nc whose result is first used after griddepcontrol.wait to after it) or
+//     down, mla_absorb.cu's kernels, gemv's norm weight and moe_route's bias, with ld_stream_early's
+//     or ld_early_f32's coherent ld.global: ptxas moves a read-only ld.global.nc whose result is
+//     first used after griddepcontrol.wait to after it) or
 //     into shared memory (bulk copies or cp.async: gemv's ring, the INT4 decode kernels) and
 //     loads through L2 (ldcg, cp.async.cg) of data written two or more kernels back: the routing
 //     in a successor of one of our kernels (which trigger only after their wait), and
@@ -30,7 +31,8 @@
 // every PDL-launched Triton kernel of the compiled AR and DDTree steps calls gdc_wait.
 // Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
 // KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs); likewise
-// KDTREE_PREWAIT for the pre-wait loads into registers and shared memory (gemv, moe_gemv, mla).
+// KDTREE_PREWAIT for the pre-wait loads into registers and shared memory (gemv, gemv_norm, moe_gemv,
+// moe_route, mla).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -53,6 +55,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// A model weight's fp32 value loaded before pdl_wait: a coherent ld.global (volatile), which ptxas
+// keeps before griddepcontrol.wait (bf16_vec.cuh's ld_stream_early says why).  Weights only.
+__device__ __forceinline__ float ld_early_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
 }
 
 // Fetch the 128-byte line holding p into L2 (no register result, no L1 allocation).

@@ -51,7 +51,7 @@ __device__ __forceinline__ int rank_of(const float* v, int n, int i) {
 }
 
 // Called by every thread of a block with blockDim.x >= max(E, n_group); thread e passes expert e's
-// logit (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k); ends synchronised
+// logit and correction bias (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k); ends synchronised
 // only for thread 0's writes (callers __syncthreads() before reusing sm).
 //   1. thread e: score = sigmoid(logit) (fp32, expf), choice = score + bias[e] (NaN -> -inf);
 //   2. with n_group > 1: thread g sums its group's two largest choices, ranks the groups (ties:
@@ -63,14 +63,14 @@ __device__ __forceinline__ int rank_of(const float* v, int n, int i) {
 //      that beat it, which are exactly the experts that do (a thread per expert counting all E
 //      took ~9 us at E = 384 on the H200, an L1 round trip per expert);
 //   4. thread 0: w_j = score[id_j] (/ Σ_j w_j + 1e-20 when renormalising) · scaling.
-__device__ __forceinline__ void route_select(float logit, const float* __restrict__ bias, int E, int k, int n_group,
+__device__ __forceinline__ void route_select(float logit, float bias, int E, int k, int n_group,
                                              int topk_group, bool renormalize, float scaling,
                                              int32_t* __restrict__ ids_row, float* __restrict__ weights_row,
                                              RouteSmem& sm) {
   const int e = threadIdx.x;
   if (e < E) {
     const float s = 1.f / (1.f + expf(-logit));
-    const float c = s + bias[e];
+    const float c = s + bias;
     sm.score[e] = s;
     sm.choice[e] = isnan(c) ? -INFINITY : c;
   }
