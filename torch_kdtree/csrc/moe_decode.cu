@@ -52,7 +52,20 @@ namespace cg = cooperative_groups;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 4;       // k64 weight tiles (pairs in gate/up) in flight per warp
+constexpr int kStages = 4;       // down: k64 weight tiles in flight per warp
+// gate/up: k64 tile pairs in flight per warp, per target (the host reads the one a kernel was built
+// for from its PTX version, up_stages()).  sm_120 has 100 KB of shared memory per SM: at 4 stages a
+// block at K2's H (36 KB of ring + 14 KB of x) fits once per SM, so the K2 TP-8 rank's 192 blocks
+// (128 routed, 64 shared-expert) would take two waves on the RTX PRO 6000's 188 SMs; at 3 (42 KB)
+// two fit.  Untimed on sm_120; the 3-stage code is tested on sm_90 by building it with
+// kUpStagesSm90 = 3 (bench/RESULTS.md run 109).
+constexpr int kUpStagesSm90 = 4;
+constexpr int kUpStagesSm120 = 3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kUpStages = kUpStagesSm120;
+#else
+constexpr int kUpStages = kUpStagesSm90;
+#endif
 constexpr int kMaxSplits = 8;    // gate/up's K splits: a portable cluster
 constexpr int kMaxTopk = 16;
 constexpr int kTileBytes = 512;  // one 16 x 64 INT4 tile: 16 bytes per lane
@@ -188,7 +201,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
                       int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act,
                       const bf16* __restrict__ shared_gate, const bf16* __restrict__ shared_up, int Is, int ns,
                       bf16* __restrict__ act_s) {
-  extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][2 tiles] | x of this split
+  extern __shared__ __align__(16) char smem[];  // [kWarps][kUpStages][2 tiles] | x of this split
   __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
   __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
@@ -196,7 +209,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
   const int c0 = split * chunks_per_split, c1 = min(KC, c0 + chunks_per_split);
   constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
-  uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kStages * kPair);
+  uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kUpStages * kPair);
   const int routed = kShared ? int(gridDim.y) - int(gridDim.y) / (topk + ns) * ns : int(gridDim.y);  // T · k
   if (kShared && slot >= routed) {  // a shared-expert block
     const int tok = (slot - routed) / ns, r0 = kShRows * ((slot - routed) % ns * int(gridDim.x) + tp);
@@ -209,7 +222,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     // where 4 uint4 of them made ptxas spill in-flight loads at the 48-register cap -- the rest
     // into L2.  After it, x's copies (one round trip for all of them).
     uint4* first = reinterpret_cast<uint4*>(smem) + warp * 32 * kShBatch;
-    static_assert(kWarps * 32 * kShBatch * 16 <= kWarps * kStages * 2 * (kTileBytes + kScaleBytes),
+    static_assert(kWarps * 32 * kShBatch * 16 <= kWarps * kUpStages * 2 * (kTileBytes + kScaleBytes),
                   "the first batches fit in the ring");
 #pragma unroll
     for (int b = 0; b < kShBatch; ++b)
@@ -233,33 +246,33 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   copy_x(x, slot / topk, H, c0, c1, s_x);
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
-  char* ring = smem + warp * kStages * kPair;
+  char* ring = smem + warp * kUpStages * kPair;
   float cg_[4] = {0.f, 0.f, 0.f, 0.f}, cu[4] = {0.f, 0.f, 0.f, 0.f};
   if (e >= 0) {  // block-uniform
     const uint4* wg = w13q + (int64_t(e) * MT + 2 * tp) * KC * 32;  // tile (e, 2 tp); up = 2 tp + 1
     const uint4* wu = wg + int64_t(KC) * 32;
     const bf16* sg = w13s + (int64_t(e) * MT + 2 * tp) * G * 16;
     const bf16* su = sg + int64_t(G) * 16;
-    auto issue = [&](int i) {  // the warp's i-th tile pair into stage i % kStages
+    auto issue = [&](int i) {  // the warp's i-th tile pair into stage i % kUpStages
       if (i < n) {
         const int c = c0 + warp + kWarps * i;
-        char* d = ring + (i % kStages) * kPair;
+        char* d = ring + (i % kUpStages) * kPair;
         copy_tile(d, wg, sg, c, gs_shift, lane);
         copy_tile(d + kTileBytes + kScaleBytes, wu, su, c, gs_shift, lane);
       }
       cp_async_commit();
     };
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) issue(i);
-    cp_async_wait<kStages - 1>();  // x's group has landed (the stages' may not have)
+    for (int i = 0; i < kUpStages - 1; ++i) issue(i);
+    cp_async_wait<kUpStages - 1>();  // x's group has landed (the stages' may not have)
     __syncthreads();
-    // Group accounting: x's group, then one per issue, so "at most kStages - 1 pending" after
-    // issue(i + kStages - 1) means tile pair i (and x's copies) have landed.
+    // Group accounting: x's group, then one per issue, so "at most kUpStages - 1 pending" after
+    // issue(i + kUpStages - 1) means tile pair i (and x's copies) have landed.
     for (int i = 0; i < n; ++i) {
-      issue(i + kStages - 1);
-      cp_async_wait<kStages - 1>();  // the warp's tile pair i has landed (every lane's copies, after the sync)
+      issue(i + kUpStages - 1);
+      cp_async_wait<kUpStages - 1>();  // the warp's tile pair i has landed (every lane's copies, after the sync)
       __syncwarp();
-      const char* d = ring + (i % kStages) * kPair;
+      const char* d = ring + (i % kUpStages) * kPair;
       const TileRegs rg = read_tile(d, gs_shift, lane), ru = read_tile(d + kTileBytes + kScaleBytes, gs_shift, lane);
       const uint32_t* xc = s_x + 32 * (warp + kWarps * i) + t;
       auto load_b = [&](int w) { return xc[w]; };
@@ -408,6 +421,15 @@ void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
+// The gate/up stages of the code the device runs: the target it was built for (its PTX version,
+// which is also __CUDA_ARCH__ / 10 of a JIT-compiled kernel), as kUpStages was chosen there.
+template <typename Kernel>
+int up_stages(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return attr.ptxVersion >= 120 ? kUpStagesSm120 : kUpStagesSm90;
+}
+
 template <typename IdT>
 void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const IdT* ids = static_cast<const IdT*>(a.topk_ids);
@@ -415,10 +437,11 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
             gs_shift = a.group_size == 32 ? 5 : a.group_size == 64 ? 6 : 7;
   const int splits = up_splits(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int KC = H / 64, per_split = (KC + splits - 1) / splits;
-  const size_t up_smem = size_t(kWarps) * kStages * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
   // shared-expert blocks: ns rows of I / 16 blocks per token, kShRows gate and up rows each
   const int Is = int(a.extra.Is), sh_rows = kShRows * (I / 16), ns = (Is + sh_rows - 1) / sh_rows;
   const auto up = Is > 0 ? &int4_decode_up_kernel<IdT, true> : &int4_decode_up_kernel<IdT, false>;
+  const size_t up_smem =
+      size_t(kWarps) * up_stages(up) * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
   allow_smem(up, up_smem);
   launch_kernel_ex(up, dim3(unsigned(I / 16), unsigned(T * (k + ns)), unsigned(splits)), dim3(kThreads),
                    dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
