@@ -31,6 +31,8 @@
 //     the large-K layers (K2's q_a + kv_a 16.9 -> 13.2 us, dense MLP 31.3 -> 25.9 us) and at M = 4
 //     (RESULTS.md runs 61-62); about even on 2p2b's small layers;
 //   - the register kernel (steps 0-4 above, two items in flight per warp).
+//   Tried for the ring and removed (RESULTS.md runs 108, 110): copying only some stages before the
+//   wait (the rest after the prologue), or prefetching them into L2 instead: even to 7 % slower.
 // Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
 // (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
 // and sm_120.
