@@ -16,8 +16,8 @@
 //     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
 //     down, mla_absorb.cu's kernels, gemv's norm weight and moe_route's bias, with ld_stream_early's
 //     or ld_early_f32's coherent ld.global: ptxas moves a read-only ld.global.nc whose result is
-//     first used after griddepcontrol.wait to after it) or
-//     into shared memory (bulk copies or cp.async: gemv's ring, the INT4 decode kernels) and
+//     first used after griddepcontrol.wait to after it) or into shared memory (bulk copies or
+//     cp.async: gemv's ring, the INT4 decode kernels) and
 //     loads through L2 (ldcg, cp.async.cg) of data written two or more kernels back: the routing
 //     in a successor of one of our kernels (which trigger only after their wait), and
 //     mla_tree_attention's committed cache rows, lengths and block table when its caller passes

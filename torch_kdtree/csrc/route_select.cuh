@@ -51,9 +51,9 @@ __device__ __forceinline__ int rank_of(const float* v, int n, int i) {
 }
 
 // Called by every thread of a block with blockDim.x >= max(E, n_group); thread e passes expert e's
-// logit and correction bias (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k); ends synchronised
-// only for thread 0's writes (callers __syncthreads() before reusing sm).
-//   1. thread e: score = sigmoid(logit) (fp32, expf), choice = score + bias[e] (NaN -> -inf);
+// logit and correction bias (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k);
+// ends synchronised only for thread 0's writes (callers __syncthreads() before reusing sm).
+//   1. thread e: score = sigmoid(logit) (fp32, expf), choice = score + bias (NaN -> -inf);
 //   2. with n_group > 1: thread g sums its group's two largest choices, ranks the groups (ties:
 //      lower group first) and the experts of groups outside the best topk_group get -inf;
 //   3. the top-k, largest first (ties: lower id first), by ranks among candidates: the warps'
