@@ -289,6 +289,30 @@ def test_decode_path_shape_rule():
     assert int4_decode_path_fits(2, 16, 1024, 512) and not int4_decode_path_fits(1, 17, 1024, 64)
 
 
+def _cpp_constant(text: str, name: str) -> int:
+    """The value of `constexpr <type> name = a [* b ...];` in C++ source text."""
+    import re
+    m = re.search(rf"constexpr\s+\w+\s+{name}\s*=\s*([0-9][0-9 *]*);", text)
+    assert m is not None, f"{name} not found"
+    return math.prod(int(t) for t in m.group(1).split("*"))
+
+
+def test_decode_path_limits_match_the_cuda_sources():
+    """ops/moe.py restates csrc's decode-path limits (the model plans with them, int4_decode_applies
+    decides with them): read both sides' values from the sources, so that they cannot drift apart."""
+    from pathlib import Path
+
+    from torch_kdtree.ops import moe
+    csrc = Path(moe.__file__).resolve().parents[1] / "csrc"
+    if not (csrc / "moe_decode.h").is_file():
+        pytest.skip("the CUDA sources are not next to this copy of the package")
+    header = (csrc / "moe_decode.h").read_text()
+    assert _cpp_constant(header, "kInt4DecodeMaxSlots") == moe.DECODE_MAX_SLOTS
+    assert _cpp_constant(header, "kInt4DecodeMaxBytes") == moe.DECODE_MAX_BYTES
+    for source in ("moe_decode.cu", "moe.cu"):
+        assert _cpp_constant((csrc / source).read_text(), "kMaxTopk") == moe.MAX_TOPK, source
+
+
 def test_plan_is_a_function_of_shapes_only():
     small = int4_moe_plan(1, 8, 384, 7168, 256, "cpu")
     assert small.block_size == 8 and small.k_splits > 1
