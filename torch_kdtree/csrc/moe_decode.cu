@@ -53,19 +53,6 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;       // down: k64 weight tiles in flight per warp
-// gate/up: k64 tile pairs in flight per warp, per target (the host reads the one a kernel was built
-// for from its PTX version, up_stages()).  sm_120 has 100 KB of shared memory per SM: at 4 stages a
-// block at K2's H (36 KB of ring + 14 KB of x) fits once per SM, so the K2 TP-8 rank's 192 blocks
-// (128 routed, 64 shared-expert) would take two waves on the RTX PRO 6000's 188 SMs; at 3 (42 KB)
-// two fit.  Untimed on sm_120; the 3-stage code is tested on sm_90 by building it with
-// kUpStagesSm90 = 3 (bench/RESULTS.md run 109).
-constexpr int kUpStagesSm90 = 4;
-constexpr int kUpStagesSm120 = 3;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-constexpr int kUpStages = kUpStagesSm120;
-#else
-constexpr int kUpStages = kUpStagesSm90;
-#endif
 constexpr int kMaxSplits = 8;    // gate/up's K splits: a portable cluster
 constexpr int kMaxTopk = 16;
 constexpr int kTileBytes = 512;  // one 16 x 64 INT4 tile: 16 bytes per lane
@@ -73,15 +60,25 @@ constexpr int kScaleBytes = 64;  // a tile's scales over its 64 k: at most two g
 constexpr int kShRows = 4;       // gate/up: shared-expert rows of gate (and of up) per block
 constexpr int kShBatch = 4;      // 16-byte chunks per lane of a shared-expert row in flight together
 
-// Blocks per SM the kernels are built for.  sm_90: 5 (48 registers, no spills): gate/up and down
-// blocks resident together.  sm_120: 4 (64 registers): at 5, ptxas spills 48 bytes of down's
-// shared-expert instantiation there, the pre-wait loads of shared_down among them (an early load
-// stored to the stack stalls on its data); gate/up no longer holds pre-wait loads in registers.
-// Neither sm_120 setting has been timed.
+// Per target (neither sm_120 setting has been timed):
+// - blocks per SM the kernels are built for.  sm_90: 5 (48 registers, no spills): gate/up and down
+//   blocks resident together.  sm_120: 4 (64 registers): at 5, ptxas spills 48 bytes of down's
+//   shared-expert instantiation there, the pre-wait loads of shared_down among them (an early load
+//   stored to the stack stalls on its data); gate/up no longer holds pre-wait loads in registers.
+// - gate/up's k64 tile pairs in flight per warp (the host reads the count a kernel was built with
+//   from its PTX version, up_stages()).  sm_120 has 100 KB of shared memory per SM: at 4 stages a
+//   block at K2's H (36 KB of ring + 14 KB of x) fits once per SM, so the K2 TP-8 rank's 192 blocks
+//   (128 routed, 64 shared-expert) would take two waves on the RTX PRO 6000's 188 SMs; at 3 (42 KB
+//   of ring and x) two fit.  The 3-stage code is tested on sm_90 by building it with
+//   kUpStagesSm90 = 3 (bench/RESULTS.md run 109).
+constexpr int kUpStagesSm90 = 4;
+constexpr int kUpStagesSm120 = 3;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define KD_INT4_DECODE_MIN_BLOCKS 4
+constexpr int kUpStages = kUpStagesSm120;
 #else
 #define KD_INT4_DECODE_MIN_BLOCKS 5
+constexpr int kUpStages = kUpStagesSm90;
 #endif
 
 template <typename IdT>
