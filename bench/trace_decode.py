@@ -7,8 +7,10 @@ the last step in launch order, the first / median / last block's time of every p
 microseconds from the step's first stamp.  Untraced kernels (int4_moe's, inductor's) run between
 the rows.
 
-  gemv:        0 entry, 1 pre-wait loads issued, 2 wait returned, 3 prologue done, 5 first weight
-               item landed (ring kernel), 6 first row summed, 7 first row stored, 4 rows done (warp 0)
+  gemv:        0 entry, 1 pre-wait loads issued, 2 wait returned, 3 prologue done, 5 / 8 / 9 warp 0's
+               first / second / third weight item landed (ring kernel; an item is one row's 2 KB
+               slice, and items 0-2 are copied before the wait), 6 first row summed, 7 first row
+               stored, 4 rows done (warp 0)
   mla_decode:  0 entry, 1 pre-wait loads issued, 2 wait returned, 3 q_abs summed, 4 query whole
                (cluster barrier), 8 first key tile landed, 9 first tile done, 10 last tile landed,
                11 new key done (its split), 5 keys done, 6 partials visible (cluster barrier), 7 W_UV
@@ -25,7 +27,7 @@ import sys
 import torch
 
 KINDS = {1: "gemv", 2: "mla_decode", 3: "moe_route", 4: "moe_gate_up", 5: "moe_down"}
-ORDER = {1: [0, 1, 2, 3, 5, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7], 3: [0, 2, 4],
+ORDER = {1: [0, 1, 2, 3, 5, 8, 9, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7], 3: [0, 2, 4],
          4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 3, 4]}  # each kind's phases in program order
 
 

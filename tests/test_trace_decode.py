@@ -60,14 +60,14 @@ def test_print_rows_reports_phases_from_the_first_stamp(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     gemv, mla = lines
-    # gemv: phase 0 of blocks 0..3 at 0..3 ns; its last phase (4, 8th in order) at 700 + 3 ns
+    # gemv: phase 0 of blocks 0..3 at 0..3 ns; its last phase (4, 10th in order) at 900 + 3 ns
     assert gemv.split()[0] == "gemv" and "4x1" in gemv
-    assert float(gemv.split("end")[1].split()[0]) == pytest.approx(0.70, abs=0.006)
+    assert float(gemv.split("end")[1].split()[0]) == pytest.approx(0.90, abs=0.006)
     assert "0:   0.00/   0.00/   0.00" in gemv
     # mla_decode starts 2 us later; its last phase (7, 12th in order) at 2000 + 1100 + 7 ns
     assert mla.split()[0] == "mla_decode"
     assert float(mla.split("end")[1].split()[0]) == pytest.approx(3.11, abs=0.006)
-    assert "(+ 2.40)" in mla
+    assert "(+ 2.20)" in mla
 
 
 def test_wait_to_end_reads_each_kinds_wait_column():
@@ -75,9 +75,9 @@ def test_wait_to_end_reads_each_kinds_wait_column():
     stamps, meta = trace([(3, 4, 1000), (1, 4, 5000)])
     stamps[:, :, 1::2] = stamps[:, :, 0::2] * 2  # clock64 at 2 GHz ticking with the globaltimer
     route, gemv = stamped(stamps, meta)
-    # moe_route: phases 0, 2, 4 at 0, 100, 200 ns after start; gemv: phase 2 is 3rd of 8 (200 ns), 4 last (700)
+    # moe_route: phases 0, 2, 4 at 0, 100, 200 ns after start; gemv: phase 2 is 3rd of 10 (200 ns), 4 last (900)
     assert wait_to_end(stamps, route, clock_ghz=2.0) == pytest.approx((0.1, 0.1))
-    assert wait_to_end(stamps, gemv, clock_ghz=2.0) == pytest.approx((0.5, 0.5))
+    assert wait_to_end(stamps, gemv, clock_ghz=2.0) == pytest.approx((0.7, 0.7))
 
 
 def test_kinds_and_phases_match_trace_cuh():

@@ -388,6 +388,8 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
     const int s = j % S;
     mbar_wait(bar + s, uint32_t(j / S) & 1u);
     if (j == 0) KD_TRACE(p.trace, 5);
+    if (j == 1) KD_TRACE(p.trace, 8);  // items 0-2 are the ones copied before the wait (3 stages)
+    if (j == 2) KD_TRACE(p.trace, 9);
     const uint4* st = ring + s * kItem;
 #pragma unroll
     for (int u = 0; u < kB; ++u) {
