@@ -128,10 +128,11 @@ __global__ void __launch_bounds__(W * 32, 1) chain_kernel(const Params p) {
   uint32_t par = 0;
   for (int ph = 0; ph < p.phases; ++ph) {
     const int K = p.k[ph];
-    if (ph > 0 && !p.xload) {
-      if (p.barrier) grid_barrier(p.counters + ph - 1);
-    } else if (ph > 0) {
-      if (p.barrier) grid_barrier(p.counters + ph - 1);
+    if (ph > 0 && p.barrier) grid_barrier(p.counters + ph - 1);
+    if (ph == 0) {
+      const uint4* xg = reinterpret_cast<const uint4*>(p.x0);
+      for (int i = threadIdx.x; i < K / 8; i += W * 32) xs[i] = xg[i];
+    } else if (p.xload) {  // else phase 0's x stays
       const float* prev = p.part[ph - 1];
       const int nbp = p.nb[ph - 1];
       for (int q = threadIdx.x; q < K / 4; q += W * 32) {  // partials [nb][n]: float4 per slice
@@ -148,14 +149,11 @@ __global__ void __launch_bounds__(W * 32, 1) chain_kernel(const Params p) {
         xh[4 * q + 2] = __float2bfloat16(a.z);
         xh[4 * q + 3] = __float2bfloat16(a.w);
       }
-    } else {
-      const uint4* xg = reinterpret_cast<const uint4*>(p.x0);
-      for (int i = threadIdx.x; i < K / 8; i += W * 32) xs[i] = xg[i];
     }
     __syncthreads();
     const int nb = p.nb[ph], chunks = K / 8;
-    const long T = long(p.n[ph]) * nb;
-    const long a = p.strided ? g : T * g / G, e = p.strided ? T : T * (g + 1) / G;
+    long a, e;
+    range(ph, a, e);  // the producer's items of this phase, in its order
     int row = int(a / nb), b = int(a % nb);
     for (long it = a; it < e; it += step) {
       if (p.strided) row = int(it) / nb, b = int(it) % nb;
