@@ -44,6 +44,7 @@
 // the output stores, and the N*N-byte visibility clear (1 MB at B = 1024, bound by one SM's
 // store rate, ~8 us, overlapped with the build).
 #include "check.h"
+#include "pdl.cuh"  // raise_dynamic_smem
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -538,7 +539,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ddtree_build_cuda(
     const int cache_ids = L * K <= kIdsCacheMax ? 1 : 0;
     const int smem = kOffLp + lp_cache_bytes(int(L), kc) + (cache_ids ? int(L * K) * 8 : 0);
     if (smem > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(ddtree_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      raise_dynamic_smem(ddtree_build_kernel, smem);
     ddtree_build_kernel<<<R, kBuildThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         logprobs.data_ptr<float>(), token_ids.data_ptr<int64_t>(), root_tokens.data_ptr<int64_t>(), int(L),
         int(K), kc, cache_ids, int(budget), tokens.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),

@@ -581,8 +581,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     p.stages = stages;
     p.early = prewait_enabled("gemv") ? 1 : 0;
     const int ring_smem = smem + stages * kRingStageBytes;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_ring_kernel<kRingB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        ring_smem));
+    raise_dynamic_smem(gemv_ring_kernel<kRingB>, ring_smem);
     int per_sm = 0;
     C10_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ring_kernel<kRingB>, kThreads, ring_smem));
@@ -597,7 +596,7 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const Tuning tune = tuning();
   const GemvKernel kernel = kKernels[tune.variant];
   if (smem + int(sizeof(float)) * (kMaxRows * kWarps + kMaxRows) > kDefaultSmem)  // dynamic + static > 48 KB
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    raise_dynamic_smem(kernel, smem);
   // persistent grid: the blocks that fit on the device at once (times the tuning's factor), or
   // fewer when there are fewer rows than warps
   int per_sm = 0;

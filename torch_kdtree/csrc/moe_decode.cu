@@ -415,7 +415,7 @@ int up_splits(const Int4DecodeArgs& a, int sms) {
 
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  if (bytes > 48 * 1024) raise_dynamic_smem(kernel, int(bytes));
 }
 
 // The gate/up stages of the code the device runs: the target it was built for (its PTX version,

@@ -244,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
   const int smem = int(rows_per_chunk * H * 2);
   const auto kernel = bf16_w ? moe_router_kernel<__nv_bfloat16> : moe_router_kernel<float>;
   if (smem + int(sizeof(RouteSmem)) + 512 > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    raise_dynamic_smem(kernel, smem);
   const int blocks = int((E * rs + kWarps - 1) / kWarps);
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(chunks)), dim3(kThreads), size_t(smem),
                 at::cuda::getCurrentCUDAStream(), pdl_enabled("moe_route"), p);

@@ -41,6 +41,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace kdtree {
 namespace {
@@ -100,6 +103,25 @@ inline bool pdl_enabled(const char* group) { return env_group_enabled("KDTREE_PD
 // before their wait (KDTREE_PREWAIT, read per call like KDTREE_PDL; for A/B runs).  Off, they only
 // prefetch into L2 there, as before.
 inline bool prewait_enabled(const char* group) { return env_group_enabled("KDTREE_PREWAIT", group); }
+
+// Raises kernel's limit on dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize) on
+// the current device to at least `bytes`, and never lowers it.  Setting it to each launch's own size
+// lowered it again after a larger launch of the same kernel that a CUDA graph still held; a profiler
+// replaying that launch then failed it (ncu: "LaunchFailed" on gemv's dense down projection, whose
+// input row is longer than the next layers').  Only the first call per (device, kernel, size above
+// the last) reaches the driver.
+template <typename... Params>
+void raise_dynamic_smem(void (*kernel)(Params...), int bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> limit;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mu);
+  int& current = limit[{device, reinterpret_cast<const void*>(kernel)}];
+  if (bytes <= current) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  current = bytes;
+}
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true and
 // thread-block clusters of `cluster` blocks when that is not (1, 1, 1).

@@ -46,6 +46,7 @@
 // Every size is fixed by the shapes (no host sync, no data-dependent allocation), so all three
 // ops can be captured in CUDA graphs.
 #include "check.h"
+#include "pdl.cuh"  // raise_dynamic_smem
 #include "topk_select.cuh"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -640,7 +641,7 @@ size_t launch_smem(int64_t rows, int S, cudaStream_t stream) {
     cudaFuncAttributes fa;
     C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     if (fa.sharedSizeBytes + spread <= prop->sharedMemPerBlockOptin) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(spread)));
+      raise_dynamic_smem(kernel, int(spread));
       static std::atomic<int> max_clusters[4][64];  // [log2 S][device]: max active clusters + 1, 0 = unknown
       const int lg = S >= 8 ? 3 : S >= 4 ? 2 : S >= 2 ? 1 : 0;
       int cached = max_clusters[lg][device].load();
@@ -670,7 +671,7 @@ size_t launch_smem(int64_t rows, int S, cudaStream_t stream) {
   }
   // Static plus dynamic shared memory above 48 KB needs the opt-in (the launch fails otherwise).
   if (sizeof(TopkShared) + dyn + 1024 > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+    raise_dynamic_smem(kernel, int(dyn));
   return dyn;
 }
 
