@@ -18,6 +18,8 @@ the rows.
   moe_route:   0 entry, 2 wait returned, 4 choice written
   moe_gate_up / moe_down:  0 entry, 1 pre-wait prefetches / loads issued, 2 wait returned, 3 warp 0's
                sums done, 4 its output stored
+A second table gives, per launch, the median block's time between consecutive phases by the block's
+own clock64 (cycle-exact; %globaltimer ticks every 0.256 us on the H200).
 
 Build and run (GPU):  KDTREE_TRACE=1 TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace
                       PYTHONPATH=. python bench/trace_decode.py 2p2b [k2_slice]
@@ -86,6 +88,30 @@ def wait_to_end(stamps: torch.Tensor, row, clock_ghz: float = 1.98) -> tuple[flo
     return float((g[:, -1] - g[:, w]).double().median() / 1e3), float((c[:, -1] - c[:, w]).median() / (clock_ghz * 1e3))
 
 
+def phase_steps(stamps: torch.Tensor, row, clock_ghz: float = 1.98) -> list[tuple[int, int, float]]:
+    """A launch's time between consecutive phases (in program order), by each block's own clock64:
+    [(phase, next phase, median over the blocks that stamped both, us)].  Cycle-exact within a block
+    (%globaltimer ticks every 0.256 us on the H200); clock64 is per SM, so only differences inside
+    one block are read."""
+    i, kind, _, g = row
+    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+    out = []
+    for j in range(1, len(ORDER[kind])):
+        both = (g[:, j - 1] > 0) & (g[:, j] > 0)
+        if bool(both.any()):
+            d = (c[both, j] - c[both, j - 1]).median() / (clock_ghz * 1e3)
+            out.append((ORDER[kind][j - 1], ORDER[kind][j], float(d)))
+    return out
+
+
+def print_steps(stamps: torch.Tensor, rows, clock_ghz: float = 1.98) -> None:
+    """One line per traced launch: phase_steps' medians (us, clock64 at clock_ghz)."""
+    for row in rows:
+        _, kind, grid, _ = row
+        steps = "  ".join(f"{a}>{b}:{d:6.3f}" for a, b, d in phase_steps(stamps, row, clock_ghz))
+        print(f"{KINDS.get(kind, kind):>11} {grid[0]:4d}x{grid[1]:<2d}  {steps}")
+
+
 def main(name: str) -> None:
     from bench.bench_generate import target
     from bench.bench_kimi_decode import _prompt
@@ -106,6 +132,8 @@ def main(name: str) -> None:
     i = rows[len(rows) // 2][0]
     gt, ck = wait_to_end(stamps, rows[len(rows) // 2])
     print(f"check: record {i} median block, wait->end {gt:.3f} us (globaltimer), {ck:.3f} us (clock64 at 1.98 GHz)")
+    print("per-block time between consecutive phases (median block, us by its clock64 at 1.98 GHz):")
+    print_steps(stamps, rows)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ globaltimer at even indices, and each record's kind and grid)."""
 import pytest
 import torch
 
-from bench.trace_decode import ORDER, last_step, print_rows, stamped, wait_to_end
+from bench.trace_decode import (ORDER, last_step, phase_steps, print_rows, print_steps, stamped,
+                                wait_to_end)
 
 PHASES = 12
 
@@ -96,3 +97,25 @@ def test_kinds_and_phases_match_trace_cuh():
         camel = "".join(w.capitalize() for w in KINDS[kind].split("_"))
         assert camel.lower() == name.lower(), (kind, name, KINDS[kind])
         assert len(set(ORDER[kind])) == len(ORDER[kind]) and all(0 <= p < phases for p in ORDER[kind])
+
+
+def test_phase_steps_are_per_block_clock_differences_in_program_order(capsys):
+    """Each step is the median over blocks of clock64[next] - clock64[phase], skipping blocks that
+    did not stamp both (a phase a block never reached reads 0)."""
+    stamps, meta = trace([(3, 4, 1000)])
+    # moe_route: phases 0, 2, 4.  Block b's clock: 0 at phase 0, 1000 (b + 1) cycles at 2, then +500 b at 4
+    for b in range(4):
+        stamps[0, b, 1] = 10**6 * (b + 1)  # each SM's clock has its own origin
+        stamps[0, b, 5] = stamps[0, b, 1] + 1000 * (b + 1)
+        stamps[0, b, 9] = stamps[0, b, 5] + 500 * b
+    stamps[0, 3, 8] = 0  # block 3 never stamped phase 4
+    (row,) = stamped(stamps, meta)
+    steps = phase_steps(stamps, row, clock_ghz=1.0)
+    assert [(a, b) for a, b, _ in steps] == [(0, 2), (2, 4)]
+    # 0 -> 2: 1000, 2000, 3000, 4000 cycles; torch's median of an even count is the lower middle
+    assert steps[0][2] == pytest.approx(2.0)
+    # 2 -> 4: blocks 0..2 only: 0, 500, 1000 cycles
+    assert steps[1][2] == pytest.approx(0.5)
+    print_steps(stamps, [row], clock_ghz=1.0)
+    line = capsys.readouterr().out.strip()
+    assert line.split()[0] == "moe_route" and "0>2: 2.000" in line and "2>4: 0.500" in line
