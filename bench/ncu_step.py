@@ -10,14 +10,12 @@ run 121; --launch-skip 7 skips the prefill's moe_route launches):
       --launch-skip 7 --launch-count 70 --section WarpStateStats --section LaunchStats --csv --page raw \\
       python bench/ncu_step.py 2p2b > ncu_2p2b.csv
 """
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())
-from bench.bench_generate import target  # noqa: E402
-from bench.bench_kimi_decode import _prompt  # noqa: E402
+from bench.bench_generate import target
+from bench.bench_kimi_decode import _prompt
 
 
 def main(name: str, new_tokens: int = 3) -> None:

@@ -79,11 +79,17 @@ def stamped(stamps: torch.Tensor, meta: torch.Tensor):
     return rows
 
 
+def _clocks(stamps: torch.Tensor, row) -> torch.Tensor:
+    """A launch's clock64 stamps, [blocks, phases in ORDER] (float64), beside stamped()'s globaltimer ones."""
+    i, kind, _, g = row
+    return stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+
+
 def wait_to_end(stamps: torch.Tensor, row, clock_ghz: float = 1.98) -> tuple[float, float]:
     """A launch's median block time from "wait returned" (phase 2) to its last phase, in us, by
     %globaltimer and by clock64 (the resolution check: the two should agree)."""
-    i, kind, _, g = row
-    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+    _, kind, _, g = row
+    c = _clocks(stamps, row)
     w = ORDER[kind].index(2)
     return float((g[:, -1] - g[:, w]).double().median() / 1e3), float((c[:, -1] - c[:, w]).median() / (clock_ghz * 1e3))
 
@@ -93,8 +99,8 @@ def phase_steps(stamps: torch.Tensor, row, clock_ghz: float = 1.98) -> list[tupl
     [(phase, next phase, median over the blocks that stamped both, us)].  Cycle-exact within a block
     (%globaltimer ticks every 0.256 us on the H200); clock64 is per SM, so only differences inside
     one block are read."""
-    i, kind, _, g = row
-    c = stamps[i, : g.shape[0], 1::2][:, ORDER[kind]].double()
+    _, kind, _, g = row
+    c = _clocks(stamps, row)
     out = []
     for j in range(1, len(ORDER[kind])):
         both = (g[:, j - 1] > 0) & (g[:, j] > 0)
