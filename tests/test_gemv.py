@@ -2,6 +2,8 @@
 epilogue): the CPU reference against an independent float64 oracle and against the model's own
 modules, bad inputs, opcheck and torch.compile; on CUDA the kernel against the reference on fresh
 random inputs every run, determinism, CUDA graphs."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -353,8 +355,10 @@ def test_cuda_ring_and_register_kernels_give_the_same_bits(fresh_seed, monkeypat
             monkeypatch.setenv("KDTREE_GEMV_RING", ring)
         for prewait in ("0", "1"):
             monkeypatch.setenv("KDTREE_PREWAIT", prewait)
-            runs[ring, prewait] = gemv(x, weights, **kw)
-    base = runs["0", "1"]
+            for decode in ("0", "1"):  # M = 1 with 3 stages: the decode instantiation or the general one
+                monkeypatch.setenv("KDTREE_GEMV_DECODE_KERNEL", decode)
+                runs[ring, prewait, decode] = gemv(x, weights, **kw)
+    base = runs["0", "1", "1"]
     for key, outs in runs.items():
         for a, b in zip(outs, base):
             assert torch.equal(a, b), key
@@ -372,10 +376,16 @@ def test_cuda_ring_switch_picks_the_kernel(fresh_seed, monkeypatch):
         return {e.name for e in prof.events() if "gemv" in e.name}
 
     monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
+    monkeypatch.delenv("KDTREE_GEMV_DECODE_KERNEL", raising=False)
     ring = kernels()
+    monkeypatch.setenv("KDTREE_GEMV_DECODE_KERNEL", "0")
+    general = kernels()
     monkeypatch.setenv("KDTREE_GEMV_RING", "0")
     regs = kernels()
-    assert any("gemv_ring_kernel" in n for n in ring), ring
+    # M = 1, 3 stages: the decode instantiation <kB, rows 1, stages 3>; switched off, the general one
+    assert any(re.search(r"gemv_ring_kernel<\d+, 1, 3>", n) for n in ring), ring
+    assert any("gemv_ring_kernel" in n for n in general), general
+    assert not any(re.search(r"gemv_ring_kernel<\d+, 1, 3>", n) for n in general), general
     assert regs and not any("gemv_ring_kernel" in n for n in regs), regs
 
 

@@ -33,6 +33,13 @@
 //   - the register kernel (steps 0-4 above, two items in flight per warp).
 //   Tried for the ring and removed (RESULTS.md runs 108, 110): copying only some stages before the
 //   wait (the rest after the prologue), or prefetching them into L2 instead: even to 7 % slower.
+//   The decode shape (one row of x per block, 3 stages: every M = 1 layer of the decode step) gets
+//   its own instantiation, gemv_ring_kernel<kRingB, 1, 3>: the same code with the row count and the
+//   stage count fixed at compile time, 34 KB of sm_90 code instead of 66 KB (4 KB before the wait
+//   instead of 7.5).  A block reaches each kernel's code cold (the step streams ~90 MB of weights
+//   per layer between two launches of it), so it pays for the code it runs through: 2p2b's decode
+//   step 0.6022 -> 0.5610 ms, k2_slice 0.3412 -> 0.3241 ms, the same tokens (RESULTS.md run 124).
+//   KDTREE_GEMV_DECODE_KERNEL=0 (read per call) runs the general instantiation there instead.
 // Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
 // (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
 // and sm_120.
@@ -143,22 +150,23 @@ __device__ __forceinline__ void load_norm(const Params& p, int chunks, uint4 (&g
   }
 }
 
+template <int R>
 __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks,
                                          uint4 (&gpre)[kNormPrefetch]) {
-  __shared__ float partial[kMaxRows][kWarps];
-  __shared__ float rscale[kMaxRows];
+  __shared__ float partial[R][kWarps];
+  __shared__ float rscale[R];
   const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
   if (p.prologue == kRmsNorm) {
     const uint4* g = reinterpret_cast<const uint4*>(p.aux);
     // the norm weight's chunks of this thread: loaded before the wait (p.norm_early), else here,
     // with x (not after the reduction)
     if (!p.norm_early) load_norm<false>(p, chunks, gpre);
-    float ss[kMaxRows];
+    float ss[R];
 #pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) ss[m] = 0.f;
+    for (int m = 0; m < R; ++m) ss[m] = 0.f;
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
 #pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
+      for (int m = 0; m < R; ++m) {
         if (m < rows) {
           const uint4 v = __ldg(xg + m * chunks + c);
           xs[m * chunks + c] = v;
@@ -172,21 +180,21 @@ __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int
       const int c = threadIdx.x + kThreads * i;
       if (c < chunks) {
 #pragma unroll
-        for (int m = 0; m < kMaxRows; ++m)
+        for (int m = 0; m < R; ++m)
           if (m < rows) xs[m * chunks + c] = norm8(xs[m * chunks + c], gpre[i], rscale[m]);
       }
     }
     for (int c = threadIdx.x + kThreads * kNormPrefetch; c < chunks; c += kThreads) {
       const uint4 gv = __ldg(g + c);
 #pragma unroll
-      for (int m = 0; m < kMaxRows; ++m)
+      for (int m = 0; m < R; ++m)
         if (m < rows) xs[m * chunks + c] = norm8(xs[m * chunks + c], gv, rscale[m]);
     }
   } else if (p.prologue == kSwiGlu) {
     const uint4* ug = reinterpret_cast<const uint4*>(p.aux) + int64_t(m0) * chunks;
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
 #pragma unroll
-      for (int m = 0; m < kMaxRows; ++m)
+      for (int m = 0; m < R; ++m)
         if (m < rows) xs[m * chunks + c] = swiglu8(__ldg(xg + m * chunks + c), __ldg(ug + m * chunks + c));
     }
   } else {
@@ -224,12 +232,13 @@ __device__ __forceinline__ void load_chunks(const Params& p, int rho, int base, 
 
 // A finished row: the warp's sums (one per row m of x), reduced over the lanes; lane 0 stores
 // y = bf16(sum) [+ residual, rounded again], or the fp32 sum for an fp32 segment.
+template <int R>
 __device__ __forceinline__ void store_row(const Params& p, int rho, int m0, int rows, int lane,
-                                          float (&acc)[kMaxRows]) {
+                                          float (&acc)[R]) {
   const Segment seg = locate(p, rho);
   const int n = rho - seg.row_begin;
 #pragma unroll
-  for (int m = 0; m < kMaxRows; ++m) {
+  for (int m = 0; m < R; ++m) {
     const float t = warp_sum(acc[m]);
     acc[m] = 0.f;
     if (lane == 0 && m < rows) {
@@ -289,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   pdl_launch_dependents();
 
   if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
-  prologue(p, xs, m0, rows, chunks, gpre);
+  prologue<kMaxRows>(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
@@ -326,7 +335,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
 // producer: before the programmatic-launch wait it fills every stage (weights only), then refills
 // a stage as soon as the warp has read it, so a warp has p.stages items in flight where the
 // register kernel has two, for the cost of one instruction per item.
-template <int kB>
+// R: rows of x a block holds (1: decode's M = 1, so no code for more); kS: stages per warp when
+// known at compile time (0: p.stages).
+template <int kB, int R = kMaxRows, int kS = 0>
 __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   constexpr int kItem = 32 * kB;  // chunks per item (stage)
   extern __shared__ uint4 smem[];  // [rows_per_block][K / 8] prologue output, then the rings
@@ -337,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   const int chunks = p.K >> 3;
   const int nb = (chunks + kItem - 1) / kItem;
   const int stride = int(gridDim.x) * kWarps;
-  const int S = p.stages;
+  const int S = kS > 0 ? kS : p.stages;
   uint4* xs = smem;
   uint4* ring = smem + p.rows_per_block * chunks + warp * S * kItem;
   uint64_t* bar = bars[warp];
@@ -376,13 +387,13 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   pdl_launch_dependents();
   if (lane == 0 && p.early == 0)
     for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
-  prologue(p, xs, m0, rows, chunks, gpre);
+  prologue<R>(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
 
-  float acc[kMaxRows];
+  float acc[R];
 #pragma unroll
-  for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
+  for (int m = 0; m < R; ++m) acc[m] = 0.f;
   int rho = int(blockIdx.x) * kWarps + warp, b = 0;
   for (int j = 0; rho < p.rows_total; ++j) {
     const int s = j % S;
@@ -397,7 +408,7 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
       if (c < chunks) {
         const uint4 w = st[lane + 32 * u];
 #pragma unroll
-        for (int m = 0; m < kMaxRows; ++m)
+        for (int m = 0; m < R; ++m)
           if (m < rows) acc[m] = dot8(w, xs[m * chunks + c], acc[m]);
       }
     }
@@ -581,15 +592,19 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     p.stages = stages;
     p.early = prewait_enabled("gemv") ? 1 : 0;
     const int ring_smem = smem + stages * kRingStageBytes;
-    raise_dynamic_smem(gemv_ring_kernel<kRingB>, ring_smem);
+    // decode (one row of x per block, 3 stages): the kernel compiled for exactly that, whose path
+    // runs through less code (KDTREE_GEMV_DECODE_KERNEL=0: the general one, for A/B runs)
+    const char* dk = std::getenv("KDTREE_GEMV_DECODE_KERNEL");
+    const bool decode = rows_per_block == 1 && stages == 3 && !(dk != nullptr && std::strcmp(dk, "0") == 0);
+    const GemvKernel ring_kernel = decode ? gemv_ring_kernel<kRingB, 1, 3> : gemv_ring_kernel<kRingB>;
+    raise_dynamic_smem(ring_kernel, ring_smem);
     int per_sm = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ring_kernel<kRingB>, kThreads, ring_smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_kernel, kThreads, ring_smem));
     if (ring.max_per_sm > 0) per_sm = std::min(per_sm, ring.max_per_sm);
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms));
     KD_TRACE_SET(p, kTraceGemv, dim3(unsigned(blocks), unsigned(grid_y)));
-    launch_kernel(gemv_ring_kernel<kRingB>, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads),
+    launch_kernel(ring_kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads),
                   size_t(ring_smem), stream, pdl, p);
     return outs;
   }
