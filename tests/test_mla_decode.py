@@ -247,6 +247,30 @@ def test_cuda_ring_depths_agree(fresh_seed, monkeypatch, stages):
 
 
 @requires_decode_cuda
+@pytest.mark.parametrize("lens,heads", [([1000, 3], 16), ([700], 8), ([0, 33, 2500], 4)])
+def test_cuda_exchange_modes_agree(fresh_seed, monkeypatch, lens, heads):
+    """KDTREE_MLA_PUSH=0 (read per call) exchanges the query columns and the splits' partials through
+    cluster barriers and reads of the other blocks' shared memory instead of pushing them with st.async
+    onto mbarriers: the same values in the same order, so the same bits -- and each mode really runs
+    its own kernel."""
+    a = _inputs(fresh_seed, lens, heads, device="cuda")
+
+    def run():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
+            torch.cuda.synchronize()
+        return out, {e.name for e in prof.events() if "mla_decode_kernel" in e.name}
+
+    monkeypatch.delenv("KDTREE_MLA_PUSH", raising=False)
+    pushed, names_push = run()
+    monkeypatch.setenv("KDTREE_MLA_PUSH", "0")
+    synced, names_sync = run()
+    assert any("mla_decode_kernel<2, true>" in n for n in names_push), names_push
+    assert any("mla_decode_kernel<2, false>" in n for n in names_sync), names_sync
+    assert torch.equal(pushed, synced)
+
+
+@requires_decode_cuda
 def test_cuda_repeated_calls_give_the_same_bits(fresh_seed):
     """Twenty calls on the same inputs, each after L2 is flushed (so the key tiles come from HBM and
     land late), give the same bits: a tile read before its copies land (the ring's copy-group

@@ -20,6 +20,7 @@
 // Deterministic, no host synchronisation, shapes from static sizes only (CUDA-graph safe).  The
 // same code runs on sm_90 and sm_120.
 #include "bf16_vec.cuh"
+#include "bulk_copy.cuh"
 #include "check.h"
 #include "cp_async.cuh"
 #include "mla_wuv.cuh"
@@ -34,6 +35,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 namespace kdtree {
 namespace {
@@ -306,16 +308,21 @@ at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, in
 // Grid (8 h, R), thread-block clusters of 8 = one head h of request r, 256 threads.  Cluster rank s:
 //   before the wait: its 64 W_UK columns (cols 64 s ..) and its W_UV rows into registers, its share of
 //     the committed keys (with prefix_ready) into a ring of 32-key shared-memory stages (cp.async);
-//   1. q_abs columns 64 s .. + 63 (fp32 sums over dn, rounded to bf16) stored into every cluster
-//      block's query row; the rope half rotated locally; the block whose keys end at the new token
-//      computes its cache row (kv_a_layernorm, rope) and, for head 0, writes it to the cache;
-//   2. cluster barrier; the split's keys [kb, ke) of the L + 1 (chunk = ceil((L + 1) / 8) rounded up
-//      to 32), a 32-key tile at a time: scores by 8 threads per key, warp 0 runs the tile's online
-//      softmax in fp32, the unnormalised latent sum held as two dims per thread; the new key from
-//      shared memory;
-//   3. cluster barrier; every block merges the 8 partials read from the other blocks' shared memory
-//      (fixed order, so all 8 agree), rounds the latent row to bf16 and multiplies its W_UV rows
-//      (mla_wuv.cuh); a last barrier keeps every block's shared memory alive until all have read it.
+//   1. q_abs columns 64 s .. + 63 (fp32 sums over dn, rounded to bf16) pushed into every cluster
+//      block's query row (st.async onto that block's mbarrier); the rope half rotated locally; the
+//      block whose keys end at the new token computes its cache row (kv_a_layernorm, rope) and, for
+//      head 0, writes it to the cache;
+//   2. once its mbarrier has all 8 blocks' columns: the split's keys [kb, ke) of the L + 1 (chunk =
+//      ceil((L + 1) / 8) rounded up to 32), a 32-key tile at a time: scores by 8 threads per key,
+//      warp 0 runs the tile's online softmax in fp32, the unnormalised latent sum held as two dims
+//      per thread; the new key from shared memory;
+//   3. the split's partial (latent sum, max, sum) pushed to every block the same way; once all 8 are
+//      in, every block merges them (fixed order, so all 8 agree), rounds the latent row to bf16 and
+//      multiplies its W_UV rows (mla_wuv.cuh).
+//   The pushes replaced cluster barriers (kPush = false, KDTREE_MLA_PUSH=0: stores into the other
+//   blocks' shared memory, cluster.sync(), reads of theirs, and a last barrier that kept every
+//   block's shared memory alive until all had read it; the same bits).  A cluster barrier with
+//   release semantics is a MEMBAR.ALL.GPU on sm_90, three per block (RESULTS.md run 126).
 // The committed length, the block table and the committed rows are read before the wait only with
 // prefix_ready (pdl.cuh's rule); the query, ckv, cos / sin and the slots after it.
 constexpr int kDecC = 8;                          // cluster size = key splits per head
@@ -331,6 +338,39 @@ constexpr int kDecRegRows = 4;                    // W_UK rows per thread in reg
 constexpr int kDecMaxDn = 256, kDecMaxDv = kDecC * kWarps * kWuvRowsPerWarp;
 constexpr int kDecMaxPages = 256;                 // block-table entries of a split kept in shared memory
 static_assert(kDecPhases * kDecRegRows == 128, "dn <= 128 in registers");
+
+// The cluster exchanges of mla_decode (kPush): weak asynchronous stores into another block's shared
+// memory (st.async, sm_90+), each completing its bytes on the receiver's mbarrier, which the receiver
+// waits on.  A cluster barrier with release semantics (cg's cluster.sync()) compiles to MEMBAR.ALL.GPU
+// on sm_90 -- a wait until every earlier memory access of the thread is performed GPU-wide, taken
+// three times per block while the next kernels' weight copies fill the memory system.
+__device__ __forceinline__ uint32_t cluster_addr(const void* local, uint32_t rank) {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(local)), "r"(rank));
+#endif
+  return r;
+}
+__device__ __forceinline__ void st_async_b32(uint32_t addr, uint32_t v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr), "r"(v),
+               "r"(bar)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void st_async_v2f32(uint32_t addr, float a, float b, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(addr),
+               "f"(a), "f"(b), "r"(bar)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
 
 struct DecodeParams {
   const bf16* q;        // [R, h, dn + 64]
@@ -351,7 +391,7 @@ struct DecodeParams {
   KD_TRACE_FIELD
 };
 
-template <int NS>
+template <int NS, bool kPush>
 __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t ring[];  // NS stages of kDecTile cache rows
   __shared__ __align__(16) bf16 qs[kDecD];           // the head's attention query (all 8 blocks' columns)
@@ -365,6 +405,11 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   __shared__ __align__(16) float part_o[kDecDc];    // this split's unnormalised latent sum
   __shared__ float part_ml[2];                      // its running max (log2 domain) and sum
   __shared__ __align__(16) bf16 o_s[kDecDc];
+  // kPush: the two exchanges' barriers (query columns, partials) and every split's partial, pushed
+  // here by its block (recv_o[k], recv_ml[k] = split k's latent sum and (max, sum))
+  __shared__ alignas(8) uint64_t xbar[2];
+  __shared__ __align__(16) float recv_o[kPush ? kDecC : 1][kDecDc];
+  __shared__ float2 recv_ml[kDecC];
   cg::cluster_group cluster = cg::this_cluster();
   const int s = int(cluster.block_rank());
   const int h = blockIdx.x / kDecC, r = blockIdx.y;
@@ -392,6 +437,11 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
 #pragma unroll
     for (int i = 0; i < kDecDc / 256; ++i)
       nw[i] = ld_stream_early(reinterpret_cast<const uint4*>(p.norm_w + 8 * (lane + 32 * i)));
+  }
+  if (kPush && tid == 0) {  // initialised before the cluster barrier below lets anyone push here
+    mbar_init(&xbar[0], 1);
+    mbar_init(&xbar[1], 1);
+    fence_mbar_init();
   }
   // every block of the cluster is running before any writes into another's shared memory
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
@@ -509,15 +559,32 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   __syncthreads();
   KD_TRACE(p.trace, 3);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster has started
+  if (kPush && tid == 0) {  // this block's single arrival on each, with the bytes the 8 blocks push
+    mbar_expect_tx(&xbar[0], kDecC * kDecCols * 2);
+    mbar_expect_tx(&xbar[1], kDecC * (kDecDc * 4 + 8));
+  }
   if (tid < kDecCols) {
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) v += red[w][tid];
     const bf16 b = __float2bfloat16(v);
+    if (kPush) {  // columns tid, tid + 1 as one word from the even thread, to every block
+      const uint32_t lo = __bfloat16_as_ushort(b);
+      const uint32_t hi = __shfl_down_sync(0xffffffffu, lo, 1);
+      if ((tid & 1) == 0) {
 #pragma unroll
-    for (int k = 0; k < kDecC; ++k) cluster.map_shared_rank(qs, k)[s * kDecCols + tid] = b;
+        for (int k = 0; k < kDecC; ++k)
+          st_async_b32(cluster_addr(qs + s * kDecCols + tid, k), lo | (hi << 16), cluster_addr(&xbar[0], k));
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kDecC; ++k) cluster.map_shared_rank(qs, k)[s * kDecCols + tid] = b;
+    }
   }
-  cluster.sync();  // 2. every block's query row is whole
+  if (kPush)
+    mbar_wait(&xbar[0], 0);
+  else
+    cluster.sync();  // 2. every block's query row is whole
   KD_TRACE(p.trace, 4);
 
   // Scores: 8 threads per key (tid / 8), each 9 of the row's 72 pieces (tid % 8 + 8 k), summed over
@@ -583,43 +650,64 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     tile_step(reinterpret_cast<const uint8_t*>(newk), 1);
     KD_TRACE(p.trace, 11);
   }
-  if (tid == 0) {  // warp 0's running max and sum
-    part_ml[0] = m_run;
-    part_ml[1] = l_run;
+  if (kPush) {  // this split's partial to every block (warp 0's running max and sum)
+#pragma unroll
+    for (int k = 0; k < kDecC; ++k) {
+      const uint32_t bar = cluster_addr(&xbar[1], k);
+      st_async_v2f32(cluster_addr(&recv_o[s][2 * tid], k), o0, o1, bar);
+      if (tid == 0) st_async_v2f32(cluster_addr(&recv_ml[s], k), m_run, l_run, bar);
+    }
+  } else {
+    if (tid == 0) {  // warp 0's running max and sum
+      part_ml[0] = m_run;
+      part_ml[1] = l_run;
+    }
+    reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
   }
-  reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
   KD_TRACE(p.trace, 5);
-  cluster.sync();  // 3. every split's partial is in its block's shared memory
+  if (kPush)
+    mbar_wait(&xbar[1], 0);  // 3. every split's partial is here
+  else
+    cluster.sync();  // 3. every split's partial is in its block's shared memory
   KD_TRACE(p.trace, 6);
 
   float mk[kDecC], lk[kDecC], mx = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kDecC; ++k) {
-    const float* ml = cluster.map_shared_rank(part_ml, k);
-    mk[k] = ml[0];
-    lk[k] = ml[1];
+    if (kPush) {
+      mk[k] = recv_ml[k].x;
+      lk[k] = recv_ml[k].y;
+    } else {
+      const float* ml = cluster.map_shared_rank(part_ml, k);
+      mk[k] = ml[0];
+      lk[k] = ml[1];
+    }
     mx = fmaxf(mx, mk[k]);
   }
   float sum = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int k = 0; k < kDecC; ++k) {
     const float wgt = mk[k] == -INFINITY ? 0.f : exp2f(mk[k] - mx);
-    const float2 o = reinterpret_cast<const float2*>(cluster.map_shared_rank(part_o, k))[tid];
+    const float2 o = kPush ? reinterpret_cast<const float2*>(recv_o[k])[tid]
+                           : reinterpret_cast<const float2*>(cluster.map_shared_rank(part_o, k))[tid];
     sum = fmaf(wgt, lk[k], sum);
     a0 = fmaf(wgt, o.x, a0);
     a1 = fmaf(wgt, o.y, a1);
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   reinterpret_cast<__nv_bfloat162*>(o_s)[tid] = __floats2bfloat162_rn(a0 * inv, a1 * inv);
-  cluster.sync();  // o_s is whole; no block's shared memory is read after this
+  if (kPush)
+    __syncthreads();  // o_s is whole (nothing reads another block's shared memory)
+  else
+    cluster.sync();  // o_s is whole; no block's shared memory is read after this
   if (uv_warp)
     wuv_rows_times(o_s + 8 * lane, kDecDc / kWuvCols, wv, lane, d0, dv_w, p.out, (int64_t(r) * p.heads + h) * p.dv);
   KD_TRACE(p.trace, 7);
 }
 
-template <int NS>
+template <int NS, bool kPush>
 void launch_mla_decode(DecodeParams p, int R, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<NS>;
+  auto kernel = mla_decode_kernel<NS, kPush>;
   KD_TRACE_SET(p, kTraceMlaDecode, dim3(unsigned(p.heads * kDecC), unsigned(R)));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, NS * kDecStageBytes));
   launch_kernel_ex(kernel, dim3(unsigned(p.heads * kDecC), unsigned(R)), dim3(kThreads), dim3(kDecC, 1, 1),
@@ -672,12 +760,16 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   int stages = 2;
   if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES"))
-    stages = std::atoi(env) >= 4 && int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 12 * 1024 ? 4 : 2;
+    stages = std::atoi(env) >= 4 && int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 30 * 1024 ? 4 : 2;
+  // The cluster exchanges: pushed with st.async onto mbarriers (default), or KDTREE_MLA_PUSH=0 written
+  // and read through cluster barriers (cluster.sync(); read per call, A/B runs; the same bits).
+  const char* push_env = std::getenv("KDTREE_MLA_PUSH");
+  const bool push = push_env == nullptr || std::strcmp(push_env, "0") != 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (stages == 4)
-    launch_mla_decode<4>(p, int(R), stream);
+    push ? launch_mla_decode<4, true>(p, int(R), stream) : launch_mla_decode<4, false>(p, int(R), stream);
   else
-    launch_mla_decode<2>(p, int(R), stream);
+    push ? launch_mla_decode<2, true>(p, int(R), stream) : launch_mla_decode<2, false>(p, int(R), stream);
   return out;
 }
 
