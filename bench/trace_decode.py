@@ -1,23 +1,29 @@
 """Phase timeline of one greedy decode step's kernels (a diagnostic; needs a KDTREE_TRACE=1 build).
 
-The traced kernels (csrc/trace.cuh: gemv, mla_decode, moe_route and moe_gemv's two) stamp
+The traced kernels (csrc/trace.cuh: gemv, mla_decode, moe_route, moe_gemv's two and int4_moe's
+two decode kernels) stamp
 %globaltimer at their phases, per block; this script replays bench_kimi_decode's CUDA-graph step
 (its model, prompt and compile_step={"combo_kernels": True}) and prints, for each traced launch of
 the last step in launch order, the first / median / last block's time of every phase in
-microseconds from the step's first stamp.  Untraced kernels (int4_moe's, inductor's) run between
-the rows.
+microseconds from the step's first stamp.  Untraced kernels (inductor's, int4_moe's align) run
+between the rows.
 
   gemv:        0 entry, 1 pre-wait loads issued, 2 wait returned, 3 prologue done, 5 / 8 / 9 warp 0's
                first / second / third weight item landed (ring kernel; an item is one row's 2 KB
                slice, and items 0-2 are copied before the wait), 6 first row summed, 7 first row
                stored, 4 rows done (warp 0)
   mla_decode:  0 entry, 1 pre-wait loads issued, 2 wait returned, 3 q_abs summed, 4 query whole
-               (cluster barrier), 8 first key tile landed, 9 first tile done, 10 last tile landed,
-               11 new key done (its split), 5 keys done, 6 partials visible (cluster barrier), 7 W_UV
-               done (warp 0)
+               (its mbarrier; a cluster barrier with KDTREE_MLA_PUSH=0), 8 first key tile landed,
+               9 first tile done, 10 last tile landed, 11 new key done (its split), 5 keys done (and
+               pushed), 6 every split's partial here, 7 W_UV done (warp 0)
   moe_route:   0 entry, 2 wait returned, 4 choice written
   moe_gate_up / moe_down:  0 entry, 1 pre-wait prefetches / loads issued, 2 wait returned, 3 warp 0's
                sums done, 4 its output stored
+  int4_up:     0 entry, 1 pre-wait copies issued (shared-expert blocks; routed blocks have none),
+               2 wait returned, 3 x landed (and the first tile copies issued), 4 warp 0's tiles done,
+               5 gate / up written (the first K split's blocks only)
+  int4_down:   0 entry, 1 routing read and first tile copies issued, 2 wait returned, 3 activations
+               in shared memory, 4 warp 0's tiles done, 5 output stored
 A second table gives, per launch, the median block's time between consecutive phases by the block's
 own clock64 (cycle-exact; %globaltimer ticks every 0.256 us on the H200).
 
@@ -28,9 +34,10 @@ import sys
 
 import torch
 
-KINDS = {1: "gemv", 2: "mla_decode", 3: "moe_route", 4: "moe_gate_up", 5: "moe_down"}
+KINDS = {1: "gemv", 2: "mla_decode", 3: "moe_route", 4: "moe_gate_up", 5: "moe_down", 6: "int4_up", 7: "int4_down"}
 ORDER = {1: [0, 1, 2, 3, 5, 8, 9, 6, 7, 4], 2: [0, 1, 2, 3, 4, 8, 9, 10, 11, 5, 6, 7], 3: [0, 2, 4],
-         4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 3, 4]}  # each kind's phases in program order
+         4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 3, 4], 6: [0, 1, 2, 3, 4, 5],
+         7: [0, 1, 2, 3, 4, 5]}  # each kind's phases in program order
 
 
 def _start(g: torch.Tensor) -> int:

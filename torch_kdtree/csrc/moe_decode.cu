@@ -37,6 +37,7 @@
 #include "bf16_vec.cuh"
 #include "int4_mma.cuh"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "warp_reduce.cuh"
 #include <ATen/cuda/CUDAContext.h>
 #include <cooperative_groups.h>
@@ -197,12 +198,16 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
                       int I, int gs_shift, int topk, int chunks_per_split, bf16* __restrict__ act,
                       const bf16* __restrict__ shared_gate, const bf16* __restrict__ shared_up, int Is, int ns,
-                      bf16* __restrict__ act_s) {
+                      bf16* __restrict__ act_s KD_TRACE_PARAM) {
   extern __shared__ __align__(16) char smem[];  // [kWarps][kUpStages][2 tiles] | x of this split
   __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
   __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int tp = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
+#ifdef KDTREE_TRACE
+  uint64_t* tr = split == 0 ? trace : nullptr;  // stamps by (x, y) only: the first split's blocks
+#endif
+  KD_TRACE(tr, 0);
   const int KC = H / 64, MT = 2 * I / 16, G = H >> gs_shift;
   const int c0 = split * chunks_per_split, c1 = min(KC, c0 + chunks_per_split);
   constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
@@ -225,18 +230,25 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     for (int b = 0; b < kShBatch; ++b)
       if (mine && lane + 32 * b < 8 * (c1 - c0)) cp_async16(first + lane + 32 * b, row + lane + 32 * b);
     if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
+    KD_TRACE(tr, 1);
     pdl_wait();  // x comes from an earlier kernel
+    KD_TRACE(tr, 2);
     pdl_launch_dependents();
     copy_x(x, tok, H, c0, c1, s_x);
     cp_async_wait<0>();
     __syncthreads();
+    KD_TRACE(tr, 3);
     const float v = mine ? shared_row_sum(row, s_x, c0, c1, first, lane) : 0.f;
+    KD_TRACE(tr, 4);
     if (lane == 0 && warp < 2 * kShRows) part[(warp < kShRows ? 0 : 16) + warp % kShRows] = v;
     __syncthreads();
     up_finish(part, min(kShRows, Is - r0), act_s + int64_t(tok) * Is + r0);
+    KD_TRACE(tr, 5);
     return;
   }
+  KD_TRACE(tr, 1);
   pdl_wait();  // the routing and x come from earlier kernels
+  KD_TRACE(tr, 2);
   pdl_launch_dependents();
   // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
   // memory queues: x does not depend on the expert, and every tile needs it.
@@ -263,6 +275,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     for (int i = 0; i < kUpStages - 1; ++i) issue(i);
     cp_async_wait<kUpStages - 1>();  // x's group has landed (the stages' may not have)
     __syncthreads();
+    KD_TRACE(tr, 3);
     // Group accounting: x's group, then one per issue, so "at most kUpStages - 1 pending" after
     // issue(i + kUpStages - 1) means tile pair i (and x's copies) have landed.
     for (int i = 0; i < n; ++i) {
@@ -280,6 +293,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   } else {
     cp_async_wait<0>();  // no copy into shared memory outlives the block
   }
+  KD_TRACE(tr, 4);
   stash_rows(red[warp], cg_, lane);
   stash_rows(red[warp] + 16, cu, lane);
   __syncthreads();
@@ -290,6 +304,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     part[threadIdx.x] = v;
   }
   up_finish(part, 16, act + int64_t(slot) * I + 16 * tp);
+  KD_TRACE(tr, 5);
 }
 
 template <typename IdT, bool kShared>
@@ -298,7 +313,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
                         const IdT* __restrict__ ids, const float* __restrict__ topk_weights,
                         const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
                         bf16* __restrict__ out, const bf16* __restrict__ shared_down, int Is,
-                        const bf16* __restrict__ act_s, const bf16* __restrict__ residual) {
+                        const bf16* __restrict__ act_s, const bf16* __restrict__ residual KD_TRACE_PARAM) {
   extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
@@ -306,6 +321,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   __shared__ float s_sh[16];  // the shared expert's 16 rows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int tok = blockIdx.y, m = blockIdx.x;
+  KD_TRACE(trace, 0);
   // The shared expert's rows 16 m + 2 w, 2 w + 1 (warp w): the first kShFirst chunks per lane of
   // each before the wait (weights), the rest after it.
   constexpr int kShFirst = 1;
@@ -345,11 +361,14 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
+  KD_TRACE(trace, 1);
   pdl_wait();
+  KD_TRACE(trace, 2);
   pdl_launch_dependents();
   const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
   for (int i = threadIdx.x; i < topk * I / 8; i += kThreads) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
   __syncthreads();
+  KD_TRACE(trace, 3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int i = 0; i < n; ++i) {
     issue(i + kStages - 1);
@@ -366,6 +385,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
     }
     __syncwarp();
   }
+  KD_TRACE(trace, 4);
   stash_rows(red[warp], acc, lane);
   if (kShared) {
     const uint4* ar = reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is);
@@ -399,6 +419,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
     if (residual != nullptr) v = round_bf16(v) + __bfloat162float(residual[at]);
     out[at] = __float2bfloat16(v);
   }
+  KD_TRACE(trace, 5);
 }
 
 // gate/up's K splits (a unit = a slot's 32 w13 channels): none while there are at least half as
@@ -442,13 +463,15 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   allow_smem(up, up_smem);
   launch_kernel_ex(up, dim3(unsigned(I / 16), unsigned(T * (k + ns)), unsigned(splits)), dim3(kThreads),
                    dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
-                   gs_shift, k, per_split, a.act, a.extra.shared_gate, a.extra.shared_up, Is, ns, a.extra.act_s);
+                   gs_shift, k, per_split, a.act, a.extra.shared_gate, a.extra.shared_up, Is, ns,
+                   a.extra.act_s KD_TRACE_ARG(kTraceInt4Up, dim3(unsigned(I / 16), unsigned(T * (k + ns)))));
   const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2;
   const auto down = Is > 0 ? &int4_decode_down_kernel<IdT, true> : &int4_decode_down_kernel<IdT, false>;
   allow_smem(down, down_smem);
   launch_kernel(down, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream, pdl,
                 static_cast<const bf16*>(a.act), a.w2q, a.w2s, ids, a.topk_weights, a.emap, ng, E, H, I, gs_shift, k,
-                a.out, a.extra.shared_down, Is, static_cast<const bf16*>(a.extra.act_s), a.extra.residual);
+                a.out, a.extra.shared_down, Is, static_cast<const bf16*>(a.extra.act_s),
+                a.extra.residual KD_TRACE_ARG(kTraceInt4Down, dim3(unsigned(H / 16), unsigned(T))));
 }
 
 }  // namespace

@@ -17,7 +17,15 @@ constexpr int kTraceMaxBlocks = 1024;
 constexpr int kTracePhases = 12;
 constexpr int kTraceStamps = 2 * kTracePhases;
 
-enum TraceKind : int { kTraceGemv = 1, kTraceMlaDecode = 2, kTraceMoeRoute = 3, kTraceMoeGateUp = 4, kTraceMoeDown = 5 };
+enum TraceKind : int {
+  kTraceGemv = 1,
+  kTraceMlaDecode = 2,
+  kTraceMoeRoute = 3,
+  kTraceMoeGateUp = 4,
+  kTraceMoeDown = 5,
+  kTraceInt4Up = 6,
+  kTraceInt4Down = 7
+};
 
 #ifdef KDTREE_TRACE
 // This launch's record (nullptr once every record is taken); allocated on the first call, which
