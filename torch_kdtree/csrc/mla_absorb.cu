@@ -365,13 +365,6 @@ __device__ __forceinline__ void st_async_v2f32(uint32_t addr, float a, float b, 
                : "memory");
 #endif
 }
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-#endif
-}
-
 struct DecodeParams {
   const bf16* q;        // [R, h, dn + 64]
   const bf16* ckv;      // [R, 576]
