@@ -592,11 +592,13 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     p.stages = stages;
     p.early = prewait_enabled("gemv") ? 1 : 0;
     const int ring_smem = smem + stages * kRingStageBytes;
-    // decode (one row of x per block, 3 stages): the kernel compiled for exactly that, whose path
-    // runs through less code (KDTREE_GEMV_DECODE_KERNEL=0: the general one, for A/B runs)
+    // decode (one row of x per block, the default stages): the kernel compiled for exactly that,
+    // whose path runs through less code (KDTREE_GEMV_DECODE_KERNEL=0: the general one, for A/B runs)
     const char* dk = std::getenv("KDTREE_GEMV_DECODE_KERNEL");
-    const bool decode = rows_per_block == 1 && stages == 3 && !(dk != nullptr && std::strcmp(dk, "0") == 0);
-    const GemvKernel ring_kernel = decode ? gemv_ring_kernel<kRingB, 1, 3> : gemv_ring_kernel<kRingB>;
+    const bool decode =
+        rows_per_block == 1 && stages == kDefaultStages && !(dk != nullptr && std::strcmp(dk, "0") == 0);
+    const GemvKernel ring_kernel =
+        decode ? gemv_ring_kernel<kRingB, 1, kDefaultStages> : gemv_ring_kernel<kRingB>;
     raise_dynamic_smem(ring_kernel, ring_smem);
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_kernel, kThreads, ring_smem));
