@@ -52,7 +52,7 @@ __device__ __forceinline__ int rank_of(const float* v, int n, int i) {
 
 // Called by every thread of a block with blockDim.x >= max(E, n_group); thread e passes expert e's
 // logit and correction bias (ignored for e >= E).  Writes ids_row[0 .. k) and weights_row[0 .. k);
-// ends synchronised only for thread 0's writes (callers __syncthreads() before reusing sm).
+// ends unsynchronised after warp 0's reads and writes (callers __syncthreads() before reusing sm).
 //   1. thread e: score = sigmoid(logit) (fp32, expf), choice = score + bias (NaN -> -inf);
 //   2. with n_group > 1: thread g sums its group's two largest choices, ranks the groups (ties:
 //      lower group first) and the experts of groups outside the best topk_group get -inf;
@@ -62,7 +62,9 @@ __device__ __forceinline__ int rank_of(const float* v, int n, int i) {
 //      rank below k.  They are compacted in expert order (ballots); each counts the candidates
 //      that beat it, which are exactly the experts that do (a thread per expert counting all E
 //      took ~9 us at E = 384 on the H200, an L1 round trip per expert);
-//   4. thread 0: w_j = score[id_j] (/ Σ_j w_j + 1e-20 when renormalising) · scaling.
+//   4. warp 0, lane j: w_j = score[id_j] (/ Σ_j w_j + 1e-20 when renormalising) · scaling, the sum
+//      taken in slot order by every lane (a thread 0 doing all k took ~0.5 us of dependent
+//      shared-memory loads).
 __device__ __forceinline__ void route_select(float logit, float bias, int E, int k, int n_group,
                                              int topk_group, bool renormalize, float scaling,
                                              int32_t* __restrict__ ids_row, float* __restrict__ weights_row,
@@ -122,13 +124,14 @@ __device__ __forceinline__ void route_select(float logit, float bias, int E, int
     if (rank < k) sm.sel_id[rank] = e;
   }
   __syncthreads();
-  if (e == 0) {
+  if (warp == 0) {  // lane j < k writes slot j (k <= 32); every lane sums the k scores in slot order
+    const int id = lane < k ? sm.sel_id[lane] : 0;
+    const float s = lane < k ? sm.score[id] : 0.f;
     float sum = 0.f;
-    for (int j = 0; j < k; ++j) sum += sm.score[sm.sel_id[j]];
-    for (int j = 0; j < k; ++j) {
-      const int id = sm.sel_id[j];
-      ids_row[j] = id;
-      weights_row[j] = (renormalize ? sm.score[id] / (sum + 1e-20f) : sm.score[id]) * scaling;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, s, j);
+    if (lane < k) {
+      ids_row[lane] = id;
+      weights_row[lane] = (renormalize ? s / (sum + 1e-20f) : s) * scaling;
     }
   }
 }
