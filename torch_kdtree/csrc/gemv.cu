@@ -594,9 +594,8 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
     const int ring_smem = smem + stages * kRingStageBytes;
     // decode (one row of x per block, the default stages): the kernel compiled for exactly that,
     // whose path runs through less code (KDTREE_GEMV_DECODE_KERNEL=0: the general one, for A/B runs)
-    const char* dk = std::getenv("KDTREE_GEMV_DECODE_KERNEL");
     const bool decode =
-        rows_per_block == 1 && stages == kDefaultStages && !(dk != nullptr && std::strcmp(dk, "0") == 0);
+        rows_per_block == 1 && stages == kDefaultStages && env_switch_on("KDTREE_GEMV_DECODE_KERNEL");
     const GemvKernel ring_kernel =
         decode ? gemv_ring_kernel<kRingB, 1, kDefaultStages> : gemv_ring_kernel<kRingB>;
     raise_dynamic_smem(ring_kernel, ring_smem);

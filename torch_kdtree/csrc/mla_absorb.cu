@@ -35,7 +35,6 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 namespace kdtree {
 namespace {
@@ -756,8 +755,7 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
     stages = std::atoi(env) >= 4 && int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 30 * 1024 ? 4 : 2;
   // The cluster exchanges: pushed with st.async onto mbarriers (default), or KDTREE_MLA_PUSH=0 written
   // and read through cluster barriers (cluster.sync(); read per call, A/B runs; the same bits).
-  const char* push_env = std::getenv("KDTREE_MLA_PUSH");
-  const bool push = push_env == nullptr || std::strcmp(push_env, "0") != 0;
+  const bool push = env_switch_on("KDTREE_MLA_PUSH");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (stages == 4)
     push ? launch_mla_decode<4, true>(p, int(R), stream) : launch_mla_decode<4, false>(p, int(R), stream);

@@ -290,8 +290,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
   const bool pdl = pdl_enabled("moe_gemv");
   // KDTREE_MOE_GEMV_SYNC=0: the gate/up kernel without its load barrier (A/B runs).
-  const char* sync_env = std::getenv("KDTREE_MOE_GEMV_SYNC");
-  const bool sync = sync_env == nullptr || std::strcmp(sync_env, "0") != 0;
+  const bool sync = env_switch_on("KDTREE_MOE_GEMV_SYNC");
   const dim3 gu_grid(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0)));
   launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, gu_grid,
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),

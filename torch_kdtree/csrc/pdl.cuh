@@ -79,6 +79,12 @@ __device__ __forceinline__ void l2_prefetch_range(const void* p, int64_t bytes, 
   for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128) l2_prefetch(c + off);
 }
 
+// An on/off A/B switch (read per call): on unless environment variable `var` is "0".
+inline bool env_switch_on(const char* var) {
+  const char* v = std::getenv(var);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // Whether environment variable `var` enables `group`: yes when it is unset or "1", no when it is "0",
 // else whether it is a comma-separated list of groups that names this one.
 inline bool env_group_enabled(const char* var, const char* group) {
