@@ -235,9 +235,9 @@ def test_cuda_kernel_matches_reference(fresh_seed, lens, heads, dn, dv, page_siz
 
 
 @requires_decode_cuda
-@pytest.mark.parametrize("stages", ["2", "4"])
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
 def test_cuda_ring_depths_agree(fresh_seed, monkeypatch, stages):
-    """KDTREE_MLA_DECODE_STAGES (2 or 4 shared-memory stages of keys) changes only the loads: the
+    """KDTREE_MLA_DECODE_STAGES (2, 3 or 4 shared-memory stages of keys) changes only the loads: the
     same bits as the default."""
     a = _inputs(fresh_seed, [1000, 3], 16, device="cuda")
     default = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
@@ -265,9 +265,36 @@ def test_cuda_exchange_modes_agree(fresh_seed, monkeypatch, lens, heads):
     pushed, names_push = run()
     monkeypatch.setenv("KDTREE_MLA_PUSH", "0")
     synced, names_sync = run()
-    assert any("mla_decode_kernel<2, true>" in n for n in names_push), names_push
-    assert any("mla_decode_kernel<2, false>" in n for n in names_sync), names_sync
+    ns = _default_stages(heads, len(lens))
+    assert any(f"mla_decode_kernel<{ns}, true>" in n for n in names_push), names_push
+    assert any(f"mla_decode_kernel<{ns}, false>" in n for n in names_sync), names_sync
     assert torch.equal(pushed, synced)
+
+
+def _default_stages(heads: int, requests: int) -> int:
+    """mla_decode_cuda's ring depth without KDTREE_MLA_DECODE_STAGES: 3 when the launch's blocks (8 per
+    head and request) fill at most half the SMs and a block's shared memory holds 3 stages of 32 rows
+    (+ 30 KB), else 2."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    fits = props.shared_memory_per_block_optin >= 3 * 32 * 1152 + 30 * 1024
+    return 3 if heads * 8 * requests <= props.multi_processor_count // 2 and fits else 2
+
+
+@requires_decode_cuda
+@pytest.mark.parametrize("lens,heads", [([700], 8), ([700, 5], 16)])
+def test_cuda_default_ring_depth(fresh_seed, monkeypatch, lens, heads):
+    """Without the switch, a launch of few blocks takes 3 key stages and a full one 2 (the kernel the
+    profiler sees), with the same bits as either depth forced."""
+    monkeypatch.delenv("KDTREE_MLA_DECODE_STAGES", raising=False)
+    a = _inputs(fresh_seed, lens, heads, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if "mla_decode_kernel" in e.name}
+    assert any(f"mla_decode_kernel<{_default_stages(heads, len(lens))}, true>" in n for n in names), names
+    for forced in ("2", "3"):
+        monkeypatch.setenv("KDTREE_MLA_DECODE_STAGES", forced)
+        assert torch.equal(_call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True), got)
 
 
 @requires_decode_cuda

@@ -746,19 +746,28 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
                  reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(heads), int(dn), int(dv),
                  int(kv_cache.size(2)), int(block_table.size(1)), int(kv_cache.size(1)), float(eps),
                  float(softmax_scale * 1.44269504088896341), interleave, prefix_ready && prewait_enabled("mla")};
-  // Ring stages: 2 (81 KB of shared memory a block, so the neighbouring kernels' blocks still fit
-  // beside it; 4 stages measured 9 % slower on 2p2b, run 73), or KDTREE_MLA_DECODE_STAGES=4 where the
-  // shared memory holds them (A/B runs; read per call).
+  // Ring stages (the keys' copies in flight per block):
+  // - 3 when the launch fills at most half the SMs (K2's 8 heads per TP-8 rank: 64 blocks): a split's
+  //   third 32-key tile (L + 1 in 513 .. 768) no longer waits for the first to be consumed.
+  //   k2_slice 0.3172 -> 0.3134 ms (run 134) and 0.3141 -> 0.3114 (run 135), the same tokens;
+  // - 2 otherwise (98 KB a block with the push exchange's 24 KB).  2p2b's 128 blocks at 3 stages
+  //   measured 0.5503 -> 0.5874 ms (run 134), at 4 stages 7-9 % slower (runs 73, 104) -- probably
+  //   because a 135 KB block must wait for an SM with that much room beside the neighbouring
+  //   kernels' blocks, which 64 blocks find and 128 do not (not measured);
+  // - KDTREE_MLA_DECODE_STAGES=2, 3 or 4 overrides it (A/B runs; read per call);
+  // - 2 wherever the shared memory does not hold more (sm_120's 99 KB a block).
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  int stages = 2;
-  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES"))
-    stages = std::atoi(env) >= 4 && int64_t(prop->sharedMemPerBlockOptin) >= 4 * kDecStageBytes + 30 * 1024 ? 4 : 2;
+  int stages = p.heads * kDecC * R <= prop->multiProcessorCount / 2 ? 3 : 2;
+  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::min(4, std::max(2, std::atoi(env)));
+  if (int64_t(prop->sharedMemPerBlockOptin) < stages * kDecStageBytes + 30 * 1024) stages = 2;  // 24 KB static
   // The cluster exchanges: pushed with st.async onto mbarriers (default), or KDTREE_MLA_PUSH=0 written
   // and read through cluster barriers (cluster.sync(); read per call, A/B runs; the same bits).
   const bool push = env_switch_on("KDTREE_MLA_PUSH");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (stages == 4)
     push ? launch_mla_decode<4, true>(p, int(R), stream) : launch_mla_decode<4, false>(p, int(R), stream);
+  else if (stages == 3)
+    push ? launch_mla_decode<3, true>(p, int(R), stream) : launch_mla_decode<3, false>(p, int(R), stream);
   else
     push ? launch_mla_decode<2, true>(p, int(R), stream) : launch_mla_decode<2, false>(p, int(R), stream);
   return out;
