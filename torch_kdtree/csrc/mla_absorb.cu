@@ -697,6 +697,43 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   KD_TRACE(p.trace, 7);
 }
 
+// The most clusters of mla_decode_kernel<NS, kPush> (kDecC blocks each, NS ring stages) resident on
+// the current device at once, by the occupancy API: 0 when a block's static and dynamic shared memory
+// exceed the per-block limit (or the query fails).  Cached per device.  H200 (ncu, RESULTS.md run
+// 138): 30 at 2 stages (two 98 KB blocks per SM), 15 at 3 (135 KB: one block per SM, and 132 SMs
+// hold only 15 groups of 8 within a GPC).
+template <int NS, bool kPush>
+int decode_max_clusters(const cudaDeviceProp& prop, int device) {
+  constexpr int kMaxDevices = 64;
+  static int cache[kMaxDevices] = {};  // 0: not asked yet; else clusters + 1
+  if (device >= 0 && device < kMaxDevices && cache[device] > 0) return cache[device] - 1;
+  auto kernel = mla_decode_kernel<NS, kPush>;
+  int clusters = 0;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t dyn = size_t(NS) * kDecStageBytes;
+  if (attr.sharedSizeBytes + dyn <= prop.sharedMemPerBlockOptin) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kDecC);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = dyn;
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = kDecC;
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    cfg.attrs = cluster;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query means "do not rely on more stages", not an error
+      clusters = 0;
+    }
+  }
+  if (device >= 0 && device < kMaxDevices) cache[device] = clusters + 1;
+  return clusters;
+}
+
 template <int NS, bool kPush>
 void launch_mla_decode(DecodeParams p, int R, cudaStream_t stream) {
   auto kernel = mla_decode_kernel<NS, kPush>;
@@ -746,23 +783,32 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
                  reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(heads), int(dn), int(dv),
                  int(kv_cache.size(2)), int(block_table.size(1)), int(kv_cache.size(1)), float(eps),
                  float(softmax_scale * 1.44269504088896341), interleave, prefix_ready && prewait_enabled("mla")};
-  // Ring stages (the keys' copies in flight per block):
-  // - 3 when the launch fills at most half the SMs (K2's 8 heads per TP-8 rank: 64 blocks): a split's
-  //   third 32-key tile (L + 1 in 513 .. 768) no longer waits for the first to be consumed.
-  //   k2_slice 0.3172 -> 0.3134 ms (run 134) and 0.3141 -> 0.3114 (run 135), the same tokens;
-  // - 2 otherwise (98 KB a block with the push exchange's 24 KB).  2p2b's 128 blocks at 3 stages
-  //   measured 0.5503 -> 0.5874 ms (run 134), at 4 stages 7-9 % slower (runs 73, 104) -- probably
-  //   because a 135 KB block must wait for an SM with that much room beside the neighbouring
-  //   kernels' blocks, which 64 blocks find and 128 do not (not measured);
-  // - KDTREE_MLA_DECODE_STAGES=2, 3 or 4 overrides it (A/B runs; read per call);
-  // - 2 wherever the shared memory does not hold more (sm_120's 99 KB a block).
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  int stages = p.heads * kDecC * R <= prop->multiProcessorCount / 2 ? 3 : 2;
-  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::min(4, std::max(2, std::atoi(env)));
-  if (int64_t(prop->sharedMemPerBlockOptin) < stages * kDecStageBytes + 30 * 1024) stages = 2;  // 24 KB static
   // The cluster exchanges: pushed with st.async onto mbarriers (default), or KDTREE_MLA_PUSH=0 written
   // and read through cluster barriers (cluster.sync(); read per call, A/B runs; the same bits).
   const bool push = env_switch_on("KDTREE_MLA_PUSH");
+  // Ring stages (the keys' copies in flight per block):
+  // - 3 when the launch fills at most half the SMs (room beside the neighbouring kernels' blocks) and
+  //   all its clusters fit on the device at once at 3 stages (K2's 8 heads per TP-8 rank on an H200:
+  //   64 blocks, 8 clusters of the 15 that fit): a split's third 32-key tile (L + 1 in 513 .. 768) no
+  //   longer waits for the first to be consumed.  k2_slice 0.3172 -> 0.3134 ms (run 134) and
+  //   0.3141 -> 0.3114 (run 135), the same tokens;
+  // - 2 otherwise (98 KB a block with the push exchange's 24 KB).  2p2b's 16 clusters at 3 stages
+  //   measured 0.5503 -> 0.5874 ms (run 134), at 4 stages 7-9 % slower (runs 73, 104): only 15
+  //   clusters of 135 KB blocks fit on the H200, so the 16th waits for another to finish (run 138:
+  //   its blocks enter ~9 us after the others; ncu 19.0-19.6 vs 12.8-13.3 us a launch);
+  // - KDTREE_MLA_DECODE_STAGES=2, 3 or 4 overrides it (A/B runs; read per call);
+  // - 2 wherever a block's shared memory does not hold more (sm_120's 99 KB a block).
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int device = q.get_device();
+  auto max_clusters = [&](int ns) {
+    if (ns == 4) return push ? decode_max_clusters<4, true>(*prop, device) : decode_max_clusters<4, false>(*prop, device);
+    if (ns == 3) return push ? decode_max_clusters<3, true>(*prop, device) : decode_max_clusters<3, false>(*prop, device);
+    return push ? decode_max_clusters<2, true>(*prop, device) : decode_max_clusters<2, false>(*prop, device);
+  };
+  const int64_t clusters = int64_t(p.heads) * R;
+  int stages = clusters * kDecC <= prop->multiProcessorCount / 2 && clusters <= max_clusters(3) ? 3 : 2;
+  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::min(4, std::max(2, std::atoi(env)));
+  if (stages > 2 && max_clusters(stages) == 0) stages = 2;  // a block does not fit
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (stages == 4)
     push ? launch_mla_decode<4, true>(p, int(R), stream) : launch_mla_decode<4, false>(p, int(R), stream);
