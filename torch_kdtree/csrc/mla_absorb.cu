@@ -713,7 +713,7 @@ int decode_max_clusters(const cudaDeviceProp& prop, int device) {
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const size_t dyn = size_t(NS) * kDecStageBytes;
   if (attr.sharedSizeBytes + dyn <= prop.sharedMemPerBlockOptin) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn)));
+    raise_dynamic_smem(kernel, int(dyn));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(kDecC);
     cfg.blockDim = dim3(kThreads);
@@ -738,7 +738,7 @@ template <int NS, bool kPush>
 void launch_mla_decode(DecodeParams p, int R, cudaStream_t stream) {
   auto kernel = mla_decode_kernel<NS, kPush>;
   KD_TRACE_SET(p, kTraceMlaDecode, dim3(unsigned(p.heads * kDecC), unsigned(R)));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, NS * kDecStageBytes));
+  raise_dynamic_smem(kernel, NS * kDecStageBytes);
   launch_kernel_ex(kernel, dim3(unsigned(p.heads * kDecC), unsigned(R)), dim3(kThreads), dim3(kDecC, 1, 1),
                    size_t(NS) * kDecStageBytes, stream, pdl_enabled("mla"), p);
 }
