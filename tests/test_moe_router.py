@@ -131,8 +131,10 @@ def check_cuda(x, norm, w, bias, k, n_group=1, topk_group=1, renorm=True, scalin
     got = moe_router(x, norm, 1e-6, w, bias, k, n_group, topk_group, renorm, scaling)
     x_norm, logits, ids, weights = moe_router_reference(x, norm, 1e-6, w, bias, k, n_group, topk_group, renorm,
                                                         scaling)
-    # rsqrtf and the fp32 sum-of-squares order may move a value by one bf16 ulp
-    assert ((got[0].float() - x_norm.float()).abs() <= x_norm.float().abs() * 2 ** -7 + 1e-30).all()
+    # rsqrtf and the fp32 sum-of-squares order can flip only the first rounding, and only where
+    # x · rsqrt(...) sits near a bf16 midpoint: exactly one of the float64 oracle's two candidates
+    low, high = norm_oracle(x.cpu(), norm.cpu(), 1e-6)
+    assert ((got[0].cpu() == low) | (got[0].cpu() == high)).all()
     torch.testing.assert_close(got[1], got[0].float() @ w.float().T, rtol=2e-5, atol=2e-5)
     # the choice itself is exact given the kernel's logits
     want_ids, want_w = moe_route_reference(got[1], bias, k, n_group, topk_group, renorm, scaling)

@@ -120,7 +120,21 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   KD_TRACE(trace, 4);
 }
 
-__global__ void __launch_bounds__(kThreads, 2)  // two blocks per SM: H / 8 blocks per token in one wave
+// kLateRoute (the default; KDTREE_MOE_DOWN_LATE_ROUTE=0, read per call, selects the early route for
+// A/B runs): before the programmatic-launch wait only the shared expert's row is prefetched into L2;
+// the routing and every first load come after it, and the routed rows stream whole in the slot loop.
+// - Why: in 2p2b's traces (runs 128, 138) the early route's pre-wait part -- the ids' L2 round trip,
+//   the routed rows' L2 prefetch and first chunks into registers (KDTREE_PREWAIT) -- took 2.5-3.6 us
+//   beside gate/up's streaming while the wait then returned at once, so it sat on the critical path.
+// - Run 141 (H200, 2p2b, interleaved ab twice): late route 0.5482 / 0.5480 ms a step against
+//   0.5517 / 0.5504 early, the same tokens; capped at 96 registers (one q_a + kv_a gemv block beside
+//   two down blocks) it was 0.5498 / 0.5495, not kept.
+// - At most 128 registers (two blocks of kThreads per SM: H / 8 blocks per token in one wave; the
+//   late route takes 106 on sm_90, 108 on sm_120, no spills).  __maxnreg__ rather than
+//   __launch_bounds__(kThreads, 2): the late route's SASS is then the one run 141 measured (the early
+//   route's is the same either way).
+template <bool kLateRoute>
+__global__ void __maxnreg__(128)
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
                 const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
@@ -147,10 +161,13 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
         if (lane + 32 * q < schunks) sw[q] = load(sr + lane + 32 * q);
     }
   };
-  // Before gate/up is done: the ids (two kernels back, complete once gate/up let this grid
-  // launch; read through L2), this warp's down rows into L2 and the first chunks into registers.
+  // Before gate/up is done -- late route: the shared expert's row into L2; early route: the ids (two
+  // kernels back, complete once gate/up let this grid launch; read through L2), this warp's down rows
+  // into L2 and, when `early`, the first chunks into registers.
   int e0[kSlotBatch];
-  if (h < H) {
+  if (kLateRoute) {
+    if (h < H && sr != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
+  } else if (h < H) {
     int es[kMaxTopk];  // all ids first: one L2 round trip
 #pragma unroll
     for (int j = 0; j < kMaxTopk; ++j) es[j] = j < k ? __ldcg(ids + t * k + j) : -1;
@@ -167,7 +184,15 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
   if (h >= H) return;
-  if (!early) first_loads(e0, [](const uint4* a) { return ld_stream(a); });
+  if (kLateRoute) {  // the shared expert's first chunks; the routed rows stream whole in the slot loop
+    if (sr != nullptr) {
+#pragma unroll
+      for (int q = 0; q < kSharedBatch; ++q)
+        if (lane + 32 * q < schunks) sw[q] = ld_stream(sr + lane + 32 * q);
+    }
+  } else if (!early) {
+    first_loads(e0, [](const uint4* a) { return ld_stream(a); });
+  }
   float acc = 0.f;
   // The shared expert (weight 1): its first kSharedBatch chunks per lane in flight with the
   // routed slots' loads, the rest (Is > 256 · kSharedBatch) after them.
@@ -196,7 +221,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
       d[q] = 0.f;
     }
     int c = lane;
-    if (j0 == 0) {  // the first chunks, already in registers
+    if (!kLateRoute && j0 == 0) {  // the first chunks, already in registers
 #pragma unroll
       for (int u = 0; u < kEarlyChunks; ++u, c += 32) {
         if (c < chunks) {
@@ -297,7 +322,11 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
                 int(Is), int(T), actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
   const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
-  launch_kernel(moe_down_kernel, down_grid, dim3(kThreads), 0, stream, pdl,
+  // KDTREE_MOE_DOWN_LATE_ROUTE=0 (A/B runs; read per call): the early-route down kernel, whose
+  // pre-wait weight loads KDTREE_PREWAIT governs.
+  const char* late_env = std::getenv("KDTREE_MOE_DOWN_LATE_ROUTE");
+  const bool late = late_env == nullptr || std::strcmp(late_env, "0") != 0;
+  launch_kernel(late ? moe_down_kernel<true> : moe_down_kernel<false>, down_grid, dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
                 prewait_enabled("moe_gemv"),
