@@ -33,8 +33,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 
 namespace kdtree {
@@ -147,6 +145,13 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   // shared expert's row (sw): loaded before the wait when `early`, else right after it.
   uint4 w0[kSlotBatch][kEarlyChunks], sw[kSharedBatch];
   const uint4* sr = shared_down != nullptr ? reinterpret_cast<const uint4*>(shared_down + int64_t(h) * Is) : nullptr;
+  auto shared_first_loads = [&](auto load) {
+    if (sr != nullptr) {
+#pragma unroll
+      for (int q = 0; q < kSharedBatch; ++q)
+        if (lane + 32 * q < schunks) sw[q] = load(sr + lane + 32 * q);
+    }
+  };
   auto first_loads = [&](const int (&e0)[kSlotBatch], auto load) {
 #pragma unroll
     for (int q = 0; q < kSlotBatch; ++q)
@@ -155,11 +160,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
         const int c = lane + 32 * u;
         if (e0[q] >= 0 && c < chunks) w0[q][u] = load(reinterpret_cast<const uint4*>(down + (int64_t(e0[q]) * H + h) * I) + c);
       }
-    if (sr != nullptr) {
-#pragma unroll
-      for (int q = 0; q < kSharedBatch; ++q)
-        if (lane + 32 * q < schunks) sw[q] = load(sr + lane + 32 * q);
-    }
+    shared_first_loads(load);
   };
   // Before gate/up is done -- late route: the shared expert's row into L2; early route: the ids (two
   // kernels back, complete once gate/up let this grid launch; read through L2), this warp's down rows
@@ -185,11 +186,7 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   pdl_launch_dependents();
   if (h >= H) return;
   if (kLateRoute) {  // the shared expert's first chunks; the routed rows stream whole in the slot loop
-    if (sr != nullptr) {
-#pragma unroll
-      for (int q = 0; q < kSharedBatch; ++q)
-        if (lane + 32 * q < schunks) sw[q] = ld_stream(sr + lane + 32 * q);
-    }
+    shared_first_loads([](const uint4* a) { return ld_stream(a); });
   } else if (!early) {
     first_loads(e0, [](const uint4* a) { return ld_stream(a); });
   }
@@ -324,8 +321,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
   // KDTREE_MOE_DOWN_LATE_ROUTE=0 (A/B runs; read per call): the early-route down kernel, whose
   // pre-wait weight loads KDTREE_PREWAIT governs.
-  const char* late_env = std::getenv("KDTREE_MOE_DOWN_LATE_ROUTE");
-  const bool late = late_env == nullptr || std::strcmp(late_env, "0") != 0;
+  const bool late = env_switch_on("KDTREE_MOE_DOWN_LATE_ROUTE");
   launch_kernel(late ? moe_down_kernel<true> : moe_down_kernel<false>, down_grid, dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
