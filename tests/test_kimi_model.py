@@ -819,6 +819,17 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)   # the shared expert inside moe_gemv
     monkeypatch.setattr(modeling, "fused_gemv", counted)
     monkeypatch.setattr(moe, "fused_gemv", counted)
+    # the routing from route_gemv (x from the router's launch, the choice from moe_route after it):
+    # moe_gemv gets x_settled
+    settled = []
+    real_moe_gemv = moe.moe_gemv
+
+    def moe_gemv_spy(*a, **kw):
+        settled.append(kw["x_settled"])
+        return real_moe_gemv(*a, **kw)
+
+    monkeypatch.setattr(moe, "moe_gemv", moe_gemv_spy)
+    monkeypatch.setattr(moe, "_SHARED_EARLY", True)
     step = decode_step
     if compiled:
         torch._dynamo.reset()
@@ -835,6 +846,7 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
               (cfg.hidden_size,)]
     layer1 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.n_routed_experts,)]  # ..., o_proj, norm + router
     assert calls == (layer0 + layer1) * 3  # per step (dynamo replays the list's appends)
+    assert settled == [True] * 3
     assert rel_err(got.float(), want.float()) <= 3e-2
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     calls.clear()  # five rows: module calls
@@ -944,18 +956,21 @@ def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeyp
     want = block(x)  # module calls (no CUDA here)
     calls = []
     real = moe.moe_gemv
-    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append((len(a), a[9] is not None)) or real(*a))
+    monkeypatch.setattr(moe, "moe_gemv", lambda *a, **kw: calls.append((len(a), a[9] is not None,
+                                                                        kw["x_settled"])) or real(*a, **kw))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
+    monkeypatch.setattr(moe, "_SHARED_EARLY", True)
     got = call_maybe_compiled(block, compiled, x)
-    # x, three expert stacks, ids, weights, the three shared weights and no residual
-    assert calls == [(10, False)]
+    # x, three expert stacks, ids, weights, the three shared weights and no residual; the router ran
+    # inside the block (no routing passed in), so x is not settled
+    assert calls == [(10, False, False)]
     assert rel_err(got.float(), want.float()) <= 2e-2
     # the decoder layer's residual add goes into the same call (the down kernel's epilogue)
     calls.clear()
     r = torch.randn(2, 1, 64).to(torch.bfloat16) * 3
     got_r = call_maybe_compiled(lambda x, r: block(x, residual=r), compiled, x, r)
-    assert calls == [(10, True)]
+    assert calls == [(10, True, False)]
     assert torch.equal(got_r, r + got)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .conftest import requires_cuda_kernel
-from torch_kdtree.ops import moe_gemv, moe_gemv_reference, value_checks
+from torch_kdtree.ops import gemv, moe_gemv, moe_gemv_reference, moe_route, value_checks
 
 requires_kernel = requires_cuda_kernel("kdtree::moe_gemv")
 
@@ -226,9 +226,17 @@ def test_expert_ids_out_of_range_raise(small):
 
 def test_opcheck_cpu(small):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small)
-    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default,
-                          small + make_shared(torch.Generator().manual_seed(2), 32, 16))
+    shared = make_shared(torch.Generator().manual_seed(2), 32, 16)
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + shared)
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + shared + (None, True))
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + (None, None, None, small[0] * 3))
+
+
+def test_x_settled_changes_nothing_on_cpu(small):
+    shared = make_shared(torch.Generator().manual_seed(3), 32, 16)
+    want = moe_gemv(*small, *shared)
+    assert torch.equal(moe_gemv(*small, *shared, x_settled=True), want)
+    assert torch.equal(moe_gemv_reference(*small, *shared, x_settled=True), want)
 
 
 def test_compiles_with_fullgraph_on_cpu(small):
@@ -347,6 +355,69 @@ def test_cuda_late_and_early_route_give_the_same_bits(fresh_seed, monkeypatch, T
 
 
 @requires_kernel
+@pytest.mark.parametrize("T,k,E,H,I,Is", [(1, 8, 64, 2048, 512, 512), (3, 6, 10, 136, 24, 1040), (2, 3, 8, 256, 64, 0)])
+def test_cuda_x_settled_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
+    """x_settled (the shared expert's gate/up blocks first in the grid and without the
+    programmatic-launch wait) changes the launch order only: the same bits as without it, with an
+    out-of-range and a duplicate id, and close to the reference."""
+    args = cuda_case(fresh_seed, T, k, E, H, I)
+    args[4][0, -1] = E
+    if k > 1:
+        args[4][-1, 0] = args[4][-1, 1]
+    if Is:
+        args = args + make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
+    res = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    with value_checks(False):
+        base = moe_gemv(*args)
+        assert torch.equal(moe_gemv(*args, x_settled=True), base)
+        if Is:
+            assert torch.equal(moe_gemv(*args, residual=res, x_settled=True), moe_gemv(*args, residual=res))
+        want = moe_gemv_reference(*(a.cpu() for a in args))
+    assert rel_err(base, want) < 8e-3
+
+
+@requires_kernel
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemv", "CUDA")
+                         and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")),
+                    reason="needs the gemv and moe_route CUDA kernels")
+def test_cuda_x_settled_in_the_models_launch_chain(fresh_seed):
+    """The chain x_settled is made for, as the model runs it: the router's kdtree::gemv launch (RMSNorm
+    prologue, x returned, fp32 logits), kdtree::moe_route, then moe_gemv with x_settled -- the shared
+    expert's blocks read x while moe_route may still run.  Captured in a CUDA graph (fixed addresses,
+    as in the decode step) and replayed on fresh hidden states: every replay equals the eager chain
+    without x_settled bit for bit."""
+    T, k, E, H, I, Is = 1, 8, 64, 2048, 512, 512
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    gate, up, down = make_experts(gen, E, H, I, device="cuda")
+    shared = make_shared(gen, H, Is, device="cuda")
+    router = (torch.randn((E, H), generator=gen, device="cuda") / H**0.5).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(E, generator=gen, device="cuda")
+    h = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+
+    def chain(h, settled):
+        logits, x = gemv(h, [router], norm_w, 1e-6, fp32_outputs=1, return_input=True)
+        ids, w = moe_route(logits, bias, k, 1, 1, True, 2.5)
+        return moe_gemv(x, gate, up, down, ids, w, *shared, residual=h, x_settled=settled)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(h, True)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(h, True)
+    for _ in range(4):
+        h.copy_(torch.randn(h.shape, generator=gen, device="cuda"))
+        graph.replay()
+        want = chain(h.clone(), False)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+@requires_kernel
 def test_cuda_results_are_deterministic(fresh_seed):
     args = cuda_case(fresh_seed, 4, 8, 64, 1024, 256)
     first = moe_gemv(*args)
@@ -361,6 +432,7 @@ def test_opcheck_cuda(fresh_seed):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64) + shared)
     case = cuda_case(fresh_seed, 2, 4, 8, 256, 64)
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2,))
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2, True))
 
 
 @requires_kernel

@@ -380,15 +380,17 @@ class KimiK2DecoderLayer(nn.Module):
         if isinstance(self.mlp, KimiK2MLP) and self.mlp.fused_ok(h, self.post_attention_layernorm):
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
         if isinstance(self.mlp, KimiK2MoE):
+            settled = False  # x written before the kernel that chose the experts (KimiK2MoE.forward)
             if self.mlp.router_fused_ok(h, self.post_attention_layernorm):
                 x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
             elif self.mlp.router_gemv_ok(h, self.post_attention_layernorm):
                 x, routing = self.mlp.route_gemv(h, self.post_attention_layernorm)
+                settled = True  # x from the router's gemv launch, the choice from kdtree::moe_route after it
             else:
                 x, routing = self.post_attention_layernorm(h), None
             if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's / int4_moe's down kernel
-                return self.mlp(x, routing=routing, residual=h)
-            return h + self.mlp(x, routing=routing)
+                return self.mlp(x, routing=routing, residual=h, x_settled=settled)
+            return h + self.mlp(x, routing=routing, x_settled=settled)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -41,6 +41,11 @@ _HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mo
 _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_router", "CUDA")
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
+# With the routing from KimiK2MoE.route_gemv (x from the router's kdtree::gemv launch, the choice from
+# kdtree::moe_route after it), kdtree::moe_gemv gets x_settled: the shared expert's gate/up blocks run
+# beside moe_route instead of after it (the same bits).  KDTREE_MOE_SHARED_EARLY=0 turns it off (read
+# at import; A/B runs).
+_SHARED_EARLY = os.environ.get("KDTREE_MOE_SHARED_EARLY", "1") != "0"
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
 # in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
 # with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42, fp32 routers: 2p2b
@@ -401,12 +406,14 @@ class KimiK2MoE(nn.Module):
         return x.view(h.shape), gate.route(logits)
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
         caller has chosen the experts (:meth:`route_fused`, :meth:`route_gemv`), else the router runs
         here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
         ``residual + MoE(x)``, the add inside kdtree::moe_gemv's down kernel when that computes the
-        block."""
+        block.  ``x_settled``: x was complete before the kernel that chose the routing ran
+        (:meth:`route_gemv`'s x and choice), passed on to kdtree::moe_gemv (a launch-order hint; the
+        same result)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
@@ -421,7 +428,8 @@ class KimiK2MoE(nn.Module):
             # the shared expert as one more slot of the routed experts' two launches
             e = self.experts
             y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, shared.gate_proj.weight,
-                         shared.up_proj.weight, shared.down_proj.weight, res)
+                         shared.up_proj.weight, shared.down_proj.weight, res,
+                         x_settled=_SHARED_EARLY and x_settled and routing is not None)
             return y.view(shape)
         y = self.experts(x, topk_ids, topk_weights)
         if shared is not None:

@@ -85,9 +85,10 @@ TORCH_LIBRARY(kdtree, m) {
   // (token, slot), out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
   // Optionally plus a shared expert (shared_gate / shared_up [Is, H], shared_down [H, Is], weight 1),
   // and plus a residual [T, H] after rounding (the decoder layer's residual add).
+  // x_settled: a launch-order hint with no effect on the result (see ops/moe_gemv.py).
   m.def("moe_gemv(Tensor x, Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor topk_ids,"
         " Tensor topk_weights, Tensor? shared_gate=None, Tensor? shared_up=None, Tensor? shared_down=None,"
-        " Tensor? residual=None) -> Tensor");
+        " Tensor? residual=None, bool x_settled=False) -> Tensor");
 
   // noaux_tc expert selection from router logits [T, E] (fp32): sigmoid scores, + bias to choose
   // (optionally group-limited), top_k largest first (ties: lower id), weights = scores of the chosen

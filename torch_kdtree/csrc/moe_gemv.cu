@@ -12,11 +12,14 @@
 //      w_j · (its chunks of down row h of expert e_j · act[slot j]) over the slots, four slots'
 //      rows in flight at a time (the shared expert's first chunks loaded up front), then one
 //      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32 [then bf16(residual + out)].
-// Both launches use programmatic dependent launch (pdl.cuh): before its wait, gate/up prefetches the
-// shared expert's rows into L2 and down the rows its token's experts will need, and down loads its
-// first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's
-// row into registers (coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without
-// "moe_gemv" issues them after the wait instead).
+// Both launches use programmatic dependent launch (pdl.cuh).  Before its wait, gate/up prefetches
+// the shared expert's rows into L2; when the caller passes x_settled (x was complete before the
+// previous kernel let gate/up launch: the model's router gemv, then kdtree::moe_route), the shared
+// expert's blocks instead come first in the grid and run without the wait.  Before its wait, down
+// prefetches the shared expert's row into L2 (the early route, KDTREE_MOE_DOWN_LATE_ROUTE=0: also the
+// rows its token's experts will need, and the first kEarlyChunks chunks per lane of the first
+// kSlotBatch slots' rows and of the shared expert's row into registers -- coherent loads,
+// bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without "moe_gemv" issues them after the wait).
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
@@ -34,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace kdtree {
 namespace {
@@ -46,7 +50,8 @@ constexpr int kSharedBatch = 2;  // down: 16-byte chunks per lane of the shared 
 constexpr int kEarlyChunks = 1;  // down: 16-byte chunks per lane of the first slots' rows loaded up front
 
 // NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
-template <int NB, bool kSync>
+// kCg: x through L2 (ld.global.cg), for blocks that read it before their programmatic-launch wait.
+template <int NB, bool kSync, bool kCg = false>
 __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur, const uint4* xr, int c, float& g,
                                                float& u) {
   uint4 gv[NB], uv[NB], xv[NB];
@@ -56,7 +61,7 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
     uv[s] = ld_stream(ur + c + 32 * s);
   }
 #pragma unroll
-  for (int s = 0; s < NB; ++s) xv[s] = __ldg(xr + c + 32 * s);
+  for (int s = 0; s < NB; ++s) xv[s] = kCg ? __ldcg(xr + c + 32 * s) : __ldg(xr + c + 32 * s);
   // A memory barrier for the warp's loads: ptxas cannot sink a load below it, so all 3·NB loads
   // are in flight together (without it, it interleaved them with the FMAs of earlier chunks,
   // about two weight loads in flight per lane).  The lanes of a short last batch diverge (the
@@ -71,26 +76,33 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 
 // Slots 0 .. T·k - 1 are the routed (token, slot) pairs; with a shared expert, slots T·k + t are
 // token t's shared expert (weights [Is, H], activations after the routed ones in act).
+// shared_first (the caller's x_settled, with a shared expert): x was complete before the previous
+// kernel let this grid launch, so the shared expert's blocks need nothing from that kernel.  They
+// are then grid rows 0 .. T - 1 (dispatched first) and run without the programmatic-launch wait,
+// beside the previous kernel (the router's choice), reading x through L2; the routed slots follow
+// as grid rows T .. T·k + T - 1.  The same arithmetic either way (the same bits).
 template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
                    int I, const __nv_bfloat16* __restrict__ shared_gate, const __nv_bfloat16* __restrict__ shared_up,
-                   int Is, int T, __nv_bfloat16* __restrict__ act KD_TRACE_PARAM) {
+                   int Is, int T, bool shared_first, __nv_bfloat16* __restrict__ act KD_TRACE_PARAM) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   KD_TRACE(trace, 0);
-  const int slot = blockIdx.y;
-  const bool is_shared = slot >= T * k;
+  const int y = blockIdx.y;
+  const bool is_shared = shared_first ? y < T : y >= T * k;
+  const int slot = shared_first ? (is_shared ? T * k + y : y - T) : y;
   const int t = is_shared ? slot - T * k : slot / k;
   const int rows = is_shared ? Is : I;
   const int i = blockIdx.x * kWarps + warp;
+  const bool now = shared_first && is_shared;  // x is complete already: no wait
   // Before the predecessor (the router) is done: only the shared expert's rows into L2.
-  if (is_shared && i < rows) {
+  if (is_shared && !now && i < rows) {
     l2_prefetch_range(shared_gate + int64_t(i) * H, int64_t(H) * 2, lane);
     l2_prefetch_range(shared_up + int64_t(i) * H, int64_t(H) * 2, lane);
   }
   KD_TRACE(trace, 1);
-  pdl_wait();
+  if (!now) pdl_wait();
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
   if (i >= rows) return;
@@ -102,10 +114,17 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     const int64_t row = is_shared ? int64_t(i) * H : (int64_t(e) * I + i) * H;
     const uint4* gr = reinterpret_cast<const uint4*>((is_shared ? shared_gate : gate) + row);
     const uint4* ur = reinterpret_cast<const uint4*>((is_shared ? shared_up : up) + row);
-    int c = lane;
-    for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8, kSync>(gr, ur, xr, c, g, u);
-    for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kSync>(gr, ur, xr, c, g, u);
-    for (; c < chunks; c += 32) gate_up_chunks<1, kSync>(gr, ur, xr, c, g, u);
+    auto dots = [&](auto cg) {
+      constexpr bool kCg = decltype(cg)::value;
+      int c = lane;
+      for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8, kSync, kCg>(gr, ur, xr, c, g, u);
+      for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kSync, kCg>(gr, ur, xr, c, g, u);
+      for (; c < chunks; c += 32) gate_up_chunks<1, kSync, kCg>(gr, ur, xr, c, g, u);
+    };
+    if (now)
+      dots(std::true_type{});
+    else
+      dots(std::false_type{});
   }
   KD_TRACE(trace, 3);
   g = warp_sum(g);
@@ -269,7 +288,8 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
 at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
-                         const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual) {
+                         const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual,
+                         bool x_settled) {
   constexpr const char* op = "kdtree::moe_gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
@@ -317,7 +337,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, gu_grid,
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
-                int(Is), int(T), actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
+                int(Is), int(T), has_shared && x_settled, actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
   const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
   // KDTREE_MOE_DOWN_LATE_ROUTE=0 (A/B runs; read per call): the early-route down kernel, whose
   // pre-wait weight loads KDTREE_PREWAIT governs.

@@ -70,10 +70,11 @@ def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.
 def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
                        shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:
+                       residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::moe_gemv``: per used expert, fp32
     matmuls with the rounding points of the module docstring; the top-k terms summed in order,
-    then the shared expert's; the residual added to the rounded sum."""
+    then the shared expert's; the residual added to the rounded sum.  ``x_settled`` is a launch
+    hint for the CUDA kernel and changes nothing here."""
     _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
     T, H = x.shape
     E, k = gate_proj.shape[0], topk_ids.shape[1]
@@ -98,7 +99,7 @@ def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.
 def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
              topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
              shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
     """Routed-expert MLP with dense (bf16 on CUDA) weights, one GEMV per (token, slot).
 
     Args:
@@ -109,11 +110,18 @@ def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, do
         shared_gate, shared_up: [Is, H], shared_down: [H, Is] (all three or none): a shared expert
             added with weight 1. Is a multiple of 8.
         residual: [T, H] in x's dtype: returns ``residual + out`` (one rounding after each).
+        x_settled: a promise about launch order that lets the CUDA kernel start the shared expert
+            early; the result is the same bits either way.  Pass True only when x was complete
+            before the kernel launched just before this op let its dependents launch -- e.g. x
+            written before a ``kdtree::moe_route`` that chose ``topk_ids`` (moe_route lets the next
+            kernel launch only after its own programmatic-launch wait, so everything before it is
+            done).  The shared expert's gate/up blocks then run without waiting for that kernel.
+            Never pass it when x comes from the kernel just before this op (it may still be running).
     No host synchronisation on CUDA (CUDA-graph safe); deterministic.
     """
     _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
     return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up,
-                                     shared_down, residual)
+                                     shared_down, residual, bool(x_settled))
 
 
 torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
@@ -121,7 +129,7 @@ torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
 
 @torch.library.register_fake("kdtree::moe_gemv")
 def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None,
-      residual=None):
+      residual=None, x_settled=False):
     return x.new_empty(x.shape)
 
 
