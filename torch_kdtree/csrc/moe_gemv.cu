@@ -15,7 +15,7 @@
 // Both launches use programmatic dependent launch (pdl.cuh).  Before its wait, gate/up prefetches
 // the shared expert's rows into L2; when the caller passes x_settled (x was complete before the
 // previous kernel let gate/up launch: the model's router gemv, then kdtree::moe_route), the shared
-// expert's blocks instead come first in the grid and run without the wait.  Before its wait, down
+// expert's blocks instead come first in the grid and compute before the wait (they wait only to write).  Before its wait, down
 // prefetches the shared expert's row into L2 (the early route, KDTREE_MOE_DOWN_LATE_ROUTE=0: also the
 // rows its token's experts will need, and the first kEarlyChunks chunks per lane of the first
 // kSlotBatch slots' rows and of the shared expert's row into registers -- coherent loads,
@@ -78,9 +78,10 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 // token t's shared expert (weights [Is, H], activations after the routed ones in act).
 // shared_first (the caller's x_settled, with a shared expert): x was complete before the previous
 // kernel let this grid launch, so the shared expert's blocks need nothing from that kernel.  They
-// are then grid rows 0 .. T - 1 (dispatched first) and run without the programmatic-launch wait,
-// beside the previous kernel (the router's choice), reading x through L2; the routed slots follow
-// as grid rows T .. T·k + T - 1.  The same arithmetic either way (the same bits).
+// are then grid rows 0 .. T - 1 (dispatched first) and stream their rows before the programmatic-launch
+// wait, beside the previous kernel (the router's choice), reading x through L2; they wait only to
+// write their activations.  The routed slots follow as grid rows T .. T·k + T - 1.  The same
+// arithmetic either way (the same bits).
 template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
@@ -129,6 +130,9 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   KD_TRACE(trace, 3);
   g = warp_sum(g);
   u = warp_sum(u);
+  // A block that skipped the wait still writes only after it: act is new memory, which the caching
+  // allocator may have taken from a buffer the previous kernel still reads (the router's logits).
+  if (now) pdl_wait();
   if (lane == 0) {
     const float gb = round_bf16(g), ub = round_bf16(u);
     const int64_t at = is_shared ? int64_t(T) * k * I + int64_t(t) * Is + i : int64_t(slot) * I + i;

@@ -115,8 +115,9 @@ def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, do
             before the kernel launched just before this op let its dependents launch -- e.g. x
             written before a ``kdtree::moe_route`` that chose ``topk_ids`` (moe_route lets the next
             kernel launch only after its own programmatic-launch wait, so everything before it is
-            done).  The shared expert's gate/up blocks then run without waiting for that kernel.
-            Never pass it when x comes from the kernel just before this op (it may still be running).
+            done).  The shared expert's gate/up blocks then stream their weights without waiting
+            for that kernel (they wait only to write).  Never pass it when x comes from the kernel
+            just before this op (it may still be running).
     No host synchronisation on CUDA (CUDA-graph safe); deterministic.
     """
     _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
