@@ -377,10 +377,8 @@ def test_cuda_x_settled_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
 
 
 @requires_kernel
-@pytest.mark.skipif(not (torch.cuda.is_available()
-                         and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemv", "CUDA")
-                         and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_route", "CUDA")),
-                    reason="needs the gemv and moe_route CUDA kernels")
+@requires_cuda_kernel("kdtree::gemv")
+@requires_cuda_kernel("kdtree::moe_route")
 def test_cuda_x_settled_in_the_models_launch_chain(fresh_seed):
     """The chain x_settled is made for, as the model runs it: the router's kdtree::gemv launch (RMSNorm
     prologue, x returned, fp32 logits), kdtree::moe_route, then moe_gemv with x_settled -- the shared

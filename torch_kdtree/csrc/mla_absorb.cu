@@ -33,6 +33,7 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 
@@ -705,8 +706,11 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
 template <int NS, bool kPush>
 int decode_max_clusters(const cudaDeviceProp& prop, int device) {
   constexpr int kMaxDevices = 64;
-  static int cache[kMaxDevices] = {};  // 0: not asked yet; else clusters + 1
-  if (device >= 0 && device < kMaxDevices && cache[device] > 0) return cache[device] - 1;
+  static std::atomic<int> cache[kMaxDevices] = {};  // 0: not asked yet; else clusters + 1 (any thread)
+  if (device >= 0 && device < kMaxDevices) {
+    const int c = cache[device].load(std::memory_order_relaxed);
+    if (c > 0) return c - 1;
+  }
   auto kernel = mla_decode_kernel<NS, kPush>;
   int clusters = 0;
   cudaFuncAttributes attr{};
@@ -730,7 +734,7 @@ int decode_max_clusters(const cudaDeviceProp& prop, int device) {
       clusters = 0;
     }
   }
-  if (device >= 0 && device < kMaxDevices) cache[device] = clusters + 1;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(clusters + 1, std::memory_order_relaxed);
   return clusters;
 }
 

@@ -15,11 +15,12 @@
 // Both launches use programmatic dependent launch (pdl.cuh).  Before its wait, gate/up prefetches
 // the shared expert's rows into L2; when the caller passes x_settled (x was complete before the
 // previous kernel let gate/up launch: the model's router gemv, then kdtree::moe_route), the shared
-// expert's blocks instead come first in the grid and compute before the wait (they wait only to write).  Before its wait, down
-// prefetches the shared expert's row into L2 (the early route, KDTREE_MOE_DOWN_LATE_ROUTE=0: also the
-// rows its token's experts will need, and the first kEarlyChunks chunks per lane of the first
-// kSlotBatch slots' rows and of the shared expert's row into registers -- coherent loads,
-// bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without "moe_gemv" issues them after the wait).
+// expert's blocks instead come first in the grid and compute before the wait (they wait only to
+// write).  Before its wait, down prefetches the shared expert's row into L2 (the early route,
+// KDTREE_MOE_DOWN_LATE_ROUTE=0: also the rows its token's experts will need, and the first
+// kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's row
+// into registers -- coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without
+// "moe_gemv" issues them after the wait).
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
