@@ -751,3 +751,85 @@ def test_cuda_compiled_steps_triton_kernels_wait_before_reading_predecessors():
     assert pdl, f"no Triton kernel launched with PDL among the {len(kernels)} of the compiled steps"
     no_wait = [k.split("'")[1] for k in pdl if "gdc_wait" not in k]
     assert not no_wait, f"Triton kernels launched with PDL that never wait: {no_wait}"
+
+
+def _top_level_args(call: str) -> list[str]:
+    """The comma-separated arguments of the call whose "(" opens ``call`` (nesting respected)."""
+    depth, cur, out = 0, "", []
+    for ch in call:
+        if ch in "([":
+            depth += 1
+            if depth == 1 and ch == "(":
+                continue
+        elif ch in ")]":
+            depth -= 1
+            if depth == 0:
+                out.append(cur.strip())
+                return out
+        if depth == 1 and ch == ",":
+            out.append(cur.strip())
+            cur = ""
+        elif depth >= 1:
+            cur += ch
+    raise AssertionError(f"unbalanced call: {call}")
+
+
+def _checked_route_logits_calls(codes: list[str], op: str) -> int:
+    """For every ``kdtree::<op>`` call of inductor's wrapper code that passes route_logits (its last
+    argument): the kdtree::moe_route call before it takes that same buffer as its logits, nothing is
+    launched between the two (the hint's promise: moe_route is the kernel just before the op), and
+    the op's x was named before moe_route (written earlier).  Returns the number of such calls."""
+    import re
+
+    launch = re.compile(r"\.run\(|torch\.ops\.|extern_kernels\.|\.launch\(|_kernel\(")
+
+    def buffer_of(arg: str):  # "buf7", "arg3_1" or reinterpret_tensor(buf7, ...) -> the buffer; else None
+        m = re.match(r"(?:reinterpret_tensor\()?((?:buf|arg)\w*)", arg.strip())
+        return m.group(1) if m else None
+
+    checked = 0
+    for code in codes:
+        lines = code.splitlines()
+        for i, line in enumerate(lines):
+            marker = f"kdtree.{op}.default("
+            if marker not in line:
+                continue
+            args = _top_level_args(line[line.index(marker) + len(marker) - 1 :])
+            hint = buffer_of(args[-1].split("=", 1)[-1] if args[-1].startswith("route_logits=") else args[-1])
+            if hint is None:
+                continue
+            routes = [j for j in range(i) if "kdtree.moe_route.default(" in lines[j]]
+            assert routes, f"{op} with route_logits but no moe_route before it: {line.strip()}"
+            r = routes[-1]
+            route_args = _top_level_args(lines[r][lines[r].index("moe_route.default(") + len("moe_route.default(") - 1 :])
+            assert buffer_of(route_args[0]) == hint, f"{op}'s route_logits {hint} is not moe_route's logits {route_args[0]}"
+            between = [l.strip() for l in lines[r + 1 : i] if launch.search(l)]
+            assert not between, f"launches between moe_route and {op}: {between}"
+            x_name = buffer_of(args[0])
+            named = re.compile(rf"\b{x_name}\b")
+            assert x_name.startswith("arg") or any(named.search(l) for l in lines[:r]), f"{x_name} after moe_route"
+            checked += 1
+    return checked
+
+
+@requires_mla_cuda
+@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA"),
+                    reason="needs the int4_moe CUDA kernel")
+def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_logits_of():
+    """route_logits promises that kdtree::moe_route is the kernel launched just before the experts'
+    op and that x was complete before it ran.  In the compiled autoregressive step (inductor's
+    wrapper code) of an INT4 target (router inside the block: inductor's product, moe_route,
+    int4_moe) and of a bf16 target (route_gemv: kdtree::gemv, moe_route, moe_gemv), every call with
+    the hint passes moe_route's own logits, with nothing launched in between, and an x named before
+    moe_route."""
+    from torch._inductor import utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    for model, op in ((int4_model(94, **GPU_HEADS).to("cuda", torch.bfloat16), "int4_moe"),
+                      (gpu_target(95), "moe_gemv")):
+        ids, mask = prompts(2, 94)
+        with fresh():
+            _, codes = inductor_utils.run_and_get_code(
+                lambda: model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=6, eos_token_id=None,
+                                       compile_step=True))
+        assert _checked_route_logits_calls(codes, op), f"no compiled {op} call with route_logits"

@@ -593,7 +593,9 @@ def test_cuda_int4_experts_match_dense_on_dequantised_weights():
 @requires_int4_cuda
 def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(monkeypatch):
     """Decode-sized INT4 passes on CUDA hand the shared expert and the residual add to
-    kdtree::int4_moe (one op call per MoE layer); the logits match the unfused path's."""
+    kdtree::int4_moe (one op call per MoE layer), with the router's logits as route_logits (it
+    chose in kdtree::moe_route after its product read x); the logits match the unfused path's, and
+    are the same bits without the hint."""
     import torch_kdtree.models.kimi_k2.moe as moe_mod
     model = make_model(38, **INT4_SIZES, **GPU_HEADS)
     g = torch.Generator().manual_seed(39)
@@ -606,13 +608,15 @@ def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(mon
     real = moe_mod.int4_moe
 
     def counting(*args, **kwargs):
-        calls.append(kwargs.get("shared") is not None and kwargs.get("residual") is not None)
+        calls.append((kwargs.get("shared") is not None and kwargs.get("residual") is not None,
+                      kwargs.get("route_logits") is not None))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(moe_mod, "int4_moe", counting)
     logits = {}
-    for fused in (True, False):
+    for fused, early in ((True, True), (True, False), (False, False)):
         monkeypatch.setattr(moe_mod, "_INT4_SHARED", fused)
+        monkeypatch.setattr(moe_mod, "_INT4_SHARED_EARLY", early)
         calls.clear()
         cache = KimiK2Cache.for_model(model, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
         visible = torch.ones(2, 1, 1, dtype=torch.bool, device="cuda")
@@ -621,10 +625,12 @@ def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(mon
             for t in range(ids.shape[1]):
                 out.append(model(ids[:, t : t + 1], cache.lengths.long()[:, None], cache, visible).logits)
                 cache.advance(1)
-        logits[fused] = torch.cat(out, dim=1)
+        logits[fused, early] = torch.cat(out, dim=1)
         moe_layers = sum(isinstance(layer.mlp, moe_mod.KimiK2MoE) for layer in model.model.layers)
-        assert moe_layers >= 1 and calls == [fused] * (ids.shape[1] * moe_layers)  # decode: 2 rows, 2 k slots
-    assert rel_err(logits[True].float(), logits[False].float()) <= 2e-2
+        settled = fused and early and model.model.layers[-1].mlp.gate.route_op_fits()
+        assert moe_layers >= 1 and calls == [(fused, settled)] * (ids.shape[1] * moe_layers)  # decode: 2 rows
+    assert rel_err(logits[True, True].float(), logits[False, False].float()) <= 2e-2
+    assert torch.equal(logits[True, True], logits[True, False])
 
 
 @requires_mla_cuda
@@ -820,12 +826,12 @@ def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
     monkeypatch.setattr(modeling, "fused_gemv", counted)
     monkeypatch.setattr(moe, "fused_gemv", counted)
     # the routing from route_gemv (x from the router's launch, the choice from moe_route after it):
-    # moe_gemv gets x_settled
+    # moe_gemv gets the router's logits as route_logits
     settled = []
     real_moe_gemv = moe.moe_gemv
 
     def moe_gemv_spy(*a, **kw):
-        settled.append(kw["x_settled"])
+        settled.append(kw["route_logits"] is not None)
         return real_moe_gemv(*a, **kw)
 
     monkeypatch.setattr(moe, "moe_gemv", moe_gemv_spy)
@@ -908,8 +914,9 @@ def test_decode_router_takes_the_norm_into_one_gemv(compiled, shared, monkeypatc
     assert block.router_gemv_ok(h, norm)
 
     def step(h):
-        x, routing = block.route_gemv(h, norm)
-        return x, routing, block(x, routing=routing)
+        x, routing, logits = block.route_gemv(h, norm)
+        assert logits.dtype == torch.float32 and logits.shape == (h.shape[0] * h.shape[1], 16)
+        return x, routing, block(x, routing=routing, route_logits=logits)
 
     x, routing, got = call_maybe_compiled(step, compiled, h)
     assert calls == [((16,), 1, True)]
@@ -957,13 +964,14 @@ def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeyp
     calls = []
     real = moe.moe_gemv
     monkeypatch.setattr(moe, "moe_gemv", lambda *a, **kw: calls.append((len(a), a[9] is not None,
-                                                                        kw["x_settled"])) or real(*a, **kw))
+                                                                        kw["route_logits"] is not None))
+                        or real(*a, **kw))
     monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
     monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
     monkeypatch.setattr(moe, "_SHARED_EARLY", True)
     got = call_maybe_compiled(block, compiled, x)
     # x, three expert stacks, ids, weights, the three shared weights and no residual; the router ran
-    # inside the block (no routing passed in), so x is not settled
+    # inside the block with torch ops (no moe_route kernel here), so no route_logits
     assert calls == [(10, False, False)]
     assert rel_err(got.float(), want.float()) <= 2e-2
     # the decoder layer's residual add goes into the same call (the down kernel's epilogue)

@@ -228,15 +228,29 @@ def test_opcheck_cpu(small):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small)
     shared = make_shared(torch.Generator().manual_seed(2), 32, 16)
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + shared)
-    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + shared + (None, True))
+    logits = torch.randn(small[0].shape[0], small[1].shape[0])
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + shared + (None, logits))
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, small + (None, None, None, small[0] * 3))
 
 
-def test_x_settled_changes_nothing_on_cpu(small):
+def test_route_logits_changes_nothing_on_cpu(small):
     shared = make_shared(torch.Generator().manual_seed(3), 32, 16)
     want = moe_gemv(*small, *shared)
-    assert torch.equal(moe_gemv(*small, *shared, x_settled=True), want)
-    assert torch.equal(moe_gemv_reference(*small, *shared, x_settled=True), want)
+    logits = torch.randn(small[0].shape[0], small[1].shape[0])
+    assert torch.equal(moe_gemv(*small, *shared, route_logits=logits), want)
+    assert torch.equal(moe_gemv_reference(*small, *shared, route_logits=logits), want)
+
+
+def test_bad_route_logits_raise(small):
+    T, E = small[0].shape[0], small[1].shape[0]
+    with pytest.raises(ValueError, match="route_logits must be float32"):
+        moe_gemv(*small, route_logits=torch.randn(T, E).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="route_logits must be float32"):
+        moe_gemv(*small, route_logits=torch.randn(T + 1, E))
+    with pytest.raises(ValueError, match="route_logits must be float32"):
+        moe_gemv(*small, route_logits=torch.randn(T * E))
+    with pytest.raises(TypeError, match="route_logits must be a tensor"):
+        moe_gemv(*small, route_logits=True)
 
 
 def test_compiles_with_fullgraph_on_cpu(small):
@@ -356,10 +370,11 @@ def test_cuda_late_and_early_route_give_the_same_bits(fresh_seed, monkeypatch, T
 
 @requires_kernel
 @pytest.mark.parametrize("T,k,E,H,I,Is", [(1, 8, 64, 2048, 512, 512), (3, 6, 10, 136, 24, 1040), (2, 3, 8, 256, 64, 0)])
-def test_cuda_x_settled_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
-    """x_settled (the shared expert's gate/up blocks first in the grid and without the
+def test_cuda_route_logits_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
+    """route_logits (the shared expert's gate/up blocks first in the grid and without the
     programmatic-launch wait) changes the launch order only: the same bits as without it, with an
-    out-of-range and a duplicate id, and close to the reference."""
+    out-of-range and a duplicate id, and close to the reference; a malformed one raises in the
+    kernel's own checks."""
     args = cuda_case(fresh_seed, T, k, E, H, I)
     args[4][0, -1] = E
     if k > 1:
@@ -367,24 +382,30 @@ def test_cuda_x_settled_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
     if Is:
         args = args + make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
     res = torch.randn((T, H), device="cuda").to(torch.bfloat16)
+    logits = torch.randn((T, E), device="cuda")
     with value_checks(False):
         base = moe_gemv(*args)
-        assert torch.equal(moe_gemv(*args, x_settled=True), base)
+        assert torch.equal(moe_gemv(*args, route_logits=logits), base)
         if Is:
-            assert torch.equal(moe_gemv(*args, residual=res, x_settled=True), moe_gemv(*args, residual=res))
+            assert torch.equal(moe_gemv(*args, residual=res, route_logits=logits), moe_gemv(*args, residual=res))
         want = moe_gemv_reference(*(a.cpu() for a in args))
     assert rel_err(base, want) < 8e-3
+    full = args + (None,) * (9 - len(args))
+    with pytest.raises(RuntimeError, match="route_logits must be float32"):
+        torch.ops.kdtree.moe_gemv(*full, None, logits[:, :1].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="route_logits must be on x's device"):
+        torch.ops.kdtree.moe_gemv(*full, None, logits.cpu())
 
 
 @requires_kernel
 @requires_cuda_kernel("kdtree::gemv")
 @requires_cuda_kernel("kdtree::moe_route")
-def test_cuda_x_settled_in_the_models_launch_chain(fresh_seed):
-    """The chain x_settled is made for, as the model runs it: the router's kdtree::gemv launch (RMSNorm
-    prologue, x returned, fp32 logits), kdtree::moe_route, then moe_gemv with x_settled -- the shared
-    expert's blocks read x while moe_route may still run.  Captured in a CUDA graph (fixed addresses,
-    as in the decode step) and replayed on fresh hidden states: every replay equals the eager chain
-    without x_settled bit for bit."""
+def test_cuda_route_logits_in_the_models_launch_chain(fresh_seed):
+    """The chain route_logits is made for, as the model runs it: the router's kdtree::gemv launch
+    (RMSNorm prologue, x returned, fp32 logits), kdtree::moe_route, then moe_gemv with those logits --
+    the shared expert's blocks read x and write their activations while moe_route may still run.
+    Captured in a CUDA graph (fixed addresses, as in the decode step) and replayed on fresh hidden
+    states: every replay equals the eager chain without the hint bit for bit."""
     T, k, E, H, I, Is = 1, 8, 64, 2048, 512, 512
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     gate, up, down = make_experts(gen, E, H, I, device="cuda")
@@ -397,7 +418,7 @@ def test_cuda_x_settled_in_the_models_launch_chain(fresh_seed):
     def chain(h, settled):
         logits, x = gemv(h, [router], norm_w, 1e-6, fp32_outputs=1, return_input=True)
         ids, w = moe_route(logits, bias, k, 1, 1, True, 2.5)
-        return moe_gemv(x, gate, up, down, ids, w, *shared, residual=h, x_settled=settled)
+        return moe_gemv(x, gate, up, down, ids, w, *shared, residual=h, route_logits=logits if settled else None)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -430,7 +451,8 @@ def test_opcheck_cuda(fresh_seed):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64) + shared)
     case = cuda_case(fresh_seed, 2, 4, 8, 256, 64)
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2,))
-    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2, True))
+    logits = torch.randn((2, 8), device="cuda")
+    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2, logits))
 
 
 @requires_kernel

@@ -380,17 +380,16 @@ class KimiK2DecoderLayer(nn.Module):
         if isinstance(self.mlp, KimiK2MLP) and self.mlp.fused_ok(h, self.post_attention_layernorm):
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
         if isinstance(self.mlp, KimiK2MoE):
-            settled = False  # x written before the kernel that chose the experts (KimiK2MoE.forward)
+            logits = None  # moe_route's logits, computed from x (KimiK2MoE.forward's route_logits)
             if self.mlp.router_fused_ok(h, self.post_attention_layernorm):
                 x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
             elif self.mlp.router_gemv_ok(h, self.post_attention_layernorm):
-                x, routing = self.mlp.route_gemv(h, self.post_attention_layernorm)
-                settled = True  # x from the router's gemv launch, the choice from kdtree::moe_route after it
+                x, routing, logits = self.mlp.route_gemv(h, self.post_attention_layernorm)
             else:
                 x, routing = self.post_attention_layernorm(h), None
             if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's / int4_moe's down kernel
-                return self.mlp(x, routing=routing, residual=h, x_settled=settled)
-            return h + self.mlp(x, routing=routing, x_settled=settled)
+                return self.mlp(x, routing=routing, residual=h, route_logits=logits)
+            return h + self.mlp(x, routing=routing, route_logits=logits)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_router
-from torch_kdtree.ops.moe import int4_decode_path_fits
+from torch_kdtree.ops.moe import DECODE_MAX_BYTES, int4_decode_path_fits
 from torch_kdtree.ops.moe_router import MAX_HIDDEN as _ROUTER_MAX_H
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
@@ -41,11 +41,14 @@ _HAS_MOE_ROUTE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mo
 _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_router", "CUDA")
 # The shared expert as one more slot of kdtree::moe_gemv (when the routed experts take it).
 _SHARED_IN_MOE_GEMV = True
-# With the routing from KimiK2MoE.route_gemv (x from the router's kdtree::gemv launch, the choice from
-# kdtree::moe_route after it), kdtree::moe_gemv gets x_settled: the shared expert's gate/up blocks run
-# beside moe_route instead of after it (the same bits).  KDTREE_MOE_SHARED_EARLY=0 turns it off (read
-# at import; A/B runs).
+# When kdtree::moe_route chose the experts from logits whose product read x (KimiK2MoE.route_gemv: x
+# and the logits from one kdtree::gemv launch; or the router inside KimiK2MoE.forward), the experts'
+# op gets those logits as route_logits: the shared expert's gate/up blocks then run beside moe_route
+# instead of after it (the same bits; tests/test_generate.py checks on CUDA that no kernel runs
+# between moe_route and the op in the compiled steps).  KDTREE_MOE_SHARED_EARLY=0 turns it off for
+# kdtree::moe_gemv, KDTREE_INT4_SHARED_EARLY=0 for kdtree::int4_moe (read at import; A/B runs).
 _SHARED_EARLY = os.environ.get("KDTREE_MOE_SHARED_EARLY", "1") != "0"
+_INT4_SHARED_EARLY = os.environ.get("KDTREE_INT4_SHARED_EARLY", "1") != "0"
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
 # in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
 # with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42, fp32 routers: 2p2b
@@ -155,8 +158,11 @@ class KimiK2Router(FixedDtype):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights float32 [T, k]).  On CUDA the choice is
         one ``kdtree::moe_route`` launch (same rule, ties lower expert id first), eager or compiled."""
-        logits = matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
-        return self.route(logits)
+        return self.route(self.logits(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits [T, E] of x [T, H]."""
+        return matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
 
     def _use_route_op(self, logits: torch.Tensor) -> bool:
         return gemv._on_gpu(logits) and self.route_op_fits()
@@ -397,39 +403,47 @@ class KimiK2MoE(nn.Module):
         in_moe_gemv = self.experts._moe_gemv_fits(h, h.numel() // h.shape[-1] * gate.top_k)  # int32 ids
         return in_moe_gemv and (self.shared_experts is None or self._shared_fits(in_moe_gemv))
 
-    def route_gemv(self, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``(norm(h), (topk_ids, topk_weights))`` from one ``kdtree::gemv`` launch (the norm as its
-        prologue, returned; the router's fp32 logits) and one ``kdtree::moe_route``."""
+    def route_gemv(self, h: torch.Tensor, norm: nn.Module
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``(norm(h), (topk_ids, topk_weights), logits)`` from one ``kdtree::gemv`` launch (the norm
+        as its prologue, returned; the router's fp32 logits) and one ``kdtree::moe_route``; the
+        logits are :meth:`forward`'s ``route_logits``."""
         gate = self.gate
         logits, x = fused_gemv(h.reshape(-1, h.shape[-1]), [gate.weight], norm.weight, norm.eps, fp32_outputs=1,
                                return_input=True)
-        return x.view(h.shape), gate.route(logits)
+        return x.view(h.shape), gate.route(logits), logits
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, route_logits: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x (already normalised); ``routing`` = (topk_ids, topk_weights) when the
         caller has chosen the experts (:meth:`route_fused`, :meth:`route_gemv`), else the router runs
         here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
         ``residual + MoE(x)``, the add inside kdtree::moe_gemv's down kernel when that computes the
-        block.  ``x_settled``: x was complete before the kernel that chose the routing ran
-        (:meth:`route_gemv`'s x and choice), passed on to kdtree::moe_gemv (a launch-order hint; the
-        same result)."""
+        block.  ``route_logits`` (with ``routing``; :meth:`route_gemv`'s logits): the logits
+        kdtree::moe_route chose ``routing`` from, computed from x -- passed on to kdtree::moe_gemv /
+        kdtree::int4_moe as their launch-order hint (the same result).  The router here passes its
+        own logits the same way when it chooses in kdtree::moe_route."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
-        topk_ids, topk_weights = self.gate(x) if routing is None else routing
+        if routing is None:
+            logits = self.gate.logits(x)  # read x: x is complete before moe_route runs
+            topk_ids, topk_weights = self.gate.route(logits)
+            route_logits = logits if self.gate._use_route_op(logits) else None
+        else:
+            topk_ids, topk_weights = routing
         shared = self.shared_experts
         if self._int4_shared_fits(x):  # the shared expert (and the residual) inside int4_moe
             y = int4_moe(x, self.experts.int4_weights(), topk_ids, topk_weights,
                          shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
-                         residual=res)
+                         residual=res, route_logits=route_logits if _INT4_SHARED_EARLY else None)
             return y.view(shape)
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches
             e = self.experts
             y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, shared.gate_proj.weight,
                          shared.up_proj.weight, shared.down_proj.weight, res,
-                         x_settled=_SHARED_EARLY and x_settled and routing is not None)
+                         route_logits=route_logits if _SHARED_EARLY else None)
             return y.view(shape)
         y = self.experts(x, topk_ids, topk_weights)
         if shared is not None:
@@ -465,6 +479,7 @@ class KimiK2MoE(nn.Module):
                 and int4_decode_path_fits(x.numel() // x.shape[-1], self.gate.top_k, w.hidden_size,
                                           w.intermediate_size)
                 and shared.gate_proj.weight.shape[0] % 8 == 0
+                and 2 * shared.gate_proj.weight.shape[0] <= DECODE_MAX_BYTES
                 and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:

@@ -103,4 +103,16 @@ inline int64_t check_shared_expert(const char* op, const at::Tensor& x, const st
   return Is;
 }
 
+// The optional route_logits of moe_gemv / int4_moe (a launch-order hint, ops/moe_gemv.py): the fp32
+// logits [T, E] kdtree::moe_route chose topk_ids from, on x's device.
+inline void check_route_logits(const char* op, const std::optional<at::Tensor>& logits, const at::Tensor& x,
+                               const at::Tensor& topk_ids) {
+  if (!logits.has_value()) return;
+  KD_CHECK(logits->is_cuda() && logits->device() == x.device(), op, ": route_logits must be on x's device, got ",
+           logits->device());
+  KD_CHECK(logits->scalar_type() == at::kFloat && logits->dim() == 2 && logits->size(0) == topk_ids.size(0), op,
+           ": route_logits must be float32 [T = ", topk_ids.size(0), ", E] (moe_route's logits), got ",
+           logits->scalar_type(), " ", logits->sizes());
+}
+
 }  // namespace kdtree

@@ -22,13 +22,17 @@
 //      into L2), then act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
 //      Both kinds of block copy their slice of x into shared memory right after the wait (cp.async),
 //      the routed ones before they read the routing and issue their weight copies, so that x is
-//      not queued behind them.
+//      not queued behind them.  With the caller's route_logits (Int4DecodeExtra::shared_first: x
+//      was complete before the kdtree::moe_route launched just before this call) the
+//      shared-expert blocks are the grid's first rows and run whole without the wait, and the
+//      routed blocks copy x before it.
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
 //      order.  With a shared expert, warp w also takes rows 2 w and 2 w + 1 of the block's tile of
-//      shared_down [H, Is] against act_s (the first chunk per lane loaded before the wait): a row's
-//      sum is the warps' routed sums in warp order plus the shared row.  With a residual:
+//      shared_down [H, Is] against act_s (the first chunk per lane loaded before the wait; act_s
+//      staged in shared memory with the routed activations): a row's sum is the warps' routed sums
+//      in warp order plus the shared row.  With a residual:
 //      out = bf16(residual + bf16(sum)).  Before its programmatic-launch wait (pdl.cuh) it reads the
 //      routing (two kernels back) and starts its first weight copies (weights are never written by
 //      a predecessor).
@@ -191,8 +195,15 @@ __device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t
 }
 
 // kShared: the launch has shared-expert blocks (a separate instantiation, so that calls without
-// one run the same code as before it existed).
-template <typename IdT, bool kShared>
+// one run the same code as before it existed).  kFirst (with kShared; the caller's route_logits: x
+// was complete before the kdtree::moe_route launched just before this call): the shared-expert
+// blocks are the grid's first rows, so they are dispatched first, and they run whole without the
+// programmatic-launch wait -- x read through L2, act_s written, the block gone before moe_route
+// ends.  act_s is new memory allocated while the caller held moe_route's logits (its only
+// non-weight input), so it cannot be memory moe_route still reads.  The routed blocks copy x
+// before the wait too.  A template rather than a runtime flag: at the 48-register cap a flag made
+// ptxas spill the routed path.
+template <typename IdT, bool kShared, bool kFirst>
 __global__ void __launch_bounds__(kThreads, KD_INT4_DECODE_MIN_BLOCKS)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
@@ -203,7 +214,8 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
   __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  const int tp = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
+  static_assert(kShared || !kFirst, "kFirst orders shared-expert blocks");
+  const int tp = blockIdx.x, split = blockIdx.z;
 #ifdef KDTREE_TRACE
   uint64_t* tr = split == 0 ? trace : nullptr;  // stamps by (x, y) only: the first split's blocks
 #endif
@@ -212,9 +224,13 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   const int c0 = split * chunks_per_split, c1 = min(KC, c0 + chunks_per_split);
   constexpr int kPair = 2 * (kTileBytes + kScaleBytes);
   uint32_t* s_x = reinterpret_cast<uint32_t*>(smem + kWarps * kUpStages * kPair);
-  const int routed = kShared ? int(gridDim.y) - int(gridDim.y) / (topk + ns) * ns : int(gridDim.y);  // T · k
-  if (kShared && slot >= routed) {  // a shared-expert block
-    const int tok = (slot - routed) / ns, r0 = kShRows * ((slot - routed) % ns * int(gridDim.x) + tp);
+  const int nsh = kShared ? int(gridDim.y) / (topk + ns) * ns : 0;  // T · ns shared-expert rows of the grid
+  const int routed = int(gridDim.y) - nsh;                            // T · k
+  // grid row y: the routed slots, then the shared-expert rows; with kFirst the other way round
+  const int slot = kFirst ? int(blockIdx.y) - nsh : int(blockIdx.y);  // >= routed or < 0: shared
+  if (kShared && (kFirst ? slot < 0 : slot >= routed)) {  // a shared-expert block
+    const int sh = kFirst ? slot + nsh : slot - routed;
+    const int tok = sh / ns, r0 = kShRows * (sh % ns * int(gridDim.x) + tp);
     const int r = r0 + warp % kShRows;
     const bool mine = r < Is;  // warp-uniform
     const uint4* row = reinterpret_cast<const uint4*>((warp < kShRows ? shared_gate : shared_up) + int64_t(r) * H) +
@@ -231,10 +247,12 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
       if (mine && lane + 32 * b < 8 * (c1 - c0)) cp_async16(first + lane + 32 * b, row + lane + 32 * b);
     if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
     KD_TRACE(tr, 1);
-    pdl_wait();  // x comes from an earlier kernel
-    KD_TRACE(tr, 2);
-    pdl_launch_dependents();
-    copy_x(x, tok, H, c0, c1, s_x);
+    if (!kFirst) {
+      pdl_wait();  // x comes from an earlier kernel
+      KD_TRACE(tr, 2);
+      pdl_launch_dependents();
+    }
+    copy_x(x, tok, H, c0, c1, s_x);  // kFirst: x is complete (two or more kernels back), read through L2
     cp_async_wait<0>();
     __syncthreads();
     KD_TRACE(tr, 3);
@@ -247,12 +265,14 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     return;
   }
   KD_TRACE(tr, 1);
-  pdl_wait();  // the routing and x come from earlier kernels
+  // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
+  // memory queues: x does not depend on the expert, and every tile needs it.  kFirst: before the
+  // wait (x is complete, read through L2).
+  if (kFirst) copy_x(x, slot / topk, H, c0, c1, s_x);
+  pdl_wait();  // the routing (and x without kFirst) come from earlier kernels
   KD_TRACE(tr, 2);
   pdl_launch_dependents();
-  // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
-  // memory queues: x does not depend on the expert, and every tile needs it.
-  copy_x(x, slot / topk, H, c0, c1, s_x);
+  if (!kFirst) copy_x(x, slot / topk, H, c0, c1, s_x);
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   char* ring = smem + warp * kUpStages * kPair;
@@ -314,7 +334,8 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
                         const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
                         bf16* __restrict__ out, const bf16* __restrict__ shared_down, int Is,
                         const bf16* __restrict__ act_s, const bf16* __restrict__ residual KD_TRACE_PARAM) {
-  extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs
+  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs | [Is / 2] shared-expert activation pairs
+  extern __shared__ __align__(16) char smem[];
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
   __shared__ float red[kWarps][16];
@@ -365,8 +386,14 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   pdl_wait();
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
-  const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
-  for (int i = threadIdx.x; i < topk * I / 8; i += kThreads) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
+  // The routed activations, then (kShared) the shared expert's, in one pass (one round trip).
+  {
+    const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
+    const uint4* ar = kShared ? reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is) : nullptr;
+    const int na = topk * I / 8, nt = na + (kShared ? sch : 0);
+    for (int i = threadIdx.x; i < nt; i += kThreads)
+      reinterpret_cast<uint4*>(s_act)[i] = __ldcg(i < na ? ag + i : ar + (i - na));
+  }
   __syncthreads();
   KD_TRACE(trace, 3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -388,17 +415,17 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   KD_TRACE(trace, 4);
   stash_rows(red[warp], acc, lane);
   if (kShared) {
-    const uint4* ar = reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is);
+    const uint4* s_as = reinterpret_cast<const uint4*>(s_act + topk * I / 2);
     float d[2] = {0.f, 0.f};
 #pragma unroll
     for (int b = 0; b < kShFirst; ++b)
       if (lane + 32 * b < sch) {
-        const uint4 a = __ldcg(ar + lane + 32 * b);
+        const uint4 a = s_as[lane + 32 * b];
         d[0] = dot8(sw[0][b], a, d[0]);
         d[1] = dot8(sw[1][b], a, d[1]);
       }
     for (int c = lane + 32 * kShFirst; c < sch; c += 32) {
-      const uint4 w0 = ld_stream(sdr + c), w1 = ld_stream(sdr + sch + c), a = __ldcg(ar + c);
+      const uint4 w0 = ld_stream(sdr + c), w1 = ld_stream(sdr + sch + c), a = s_as[c];
       d[0] = dot8(w0, a, d[0]);
       d[1] = dot8(w1, a, d[1]);
     }
@@ -457,7 +484,9 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const int KC = H / 64, per_split = (KC + splits - 1) / splits;
   // shared-expert blocks: ns rows of I / 16 blocks per token, kShRows gate and up rows each
   const int Is = int(a.extra.Is), sh_rows = kShRows * (I / 16), ns = (Is + sh_rows - 1) / sh_rows;
-  const auto up = Is > 0 ? &int4_decode_up_kernel<IdT, true> : &int4_decode_up_kernel<IdT, false>;
+  const auto up = Is == 0                ? &int4_decode_up_kernel<IdT, false, false>
+                  : a.extra.shared_first ? &int4_decode_up_kernel<IdT, true, true>
+                                         : &int4_decode_up_kernel<IdT, true, false>;
   const size_t up_smem =
       size_t(kWarps) * up_stages(up) * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
   allow_smem(up, up_smem);
@@ -465,7 +494,7 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
                    dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
                    gs_shift, k, per_split, a.act, a.extra.shared_gate, a.extra.shared_up, Is, ns,
                    a.extra.act_s KD_TRACE_ARG(kTraceInt4Up, dim3(unsigned(I / 16), unsigned(T * (k + ns)))));
-  const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2;
+  const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2 + size_t(Is) * 2;
   const auto down = Is > 0 ? &int4_decode_down_kernel<IdT, true> : &int4_decode_down_kernel<IdT, false>;
   allow_smem(down, down_smem);
   launch_kernel(down, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream, pdl,

@@ -13,10 +13,10 @@
 //      rows in flight at a time (the shared expert's first chunks loaded up front), then one
 //      xor-shuffle sum: out = bf16(Σ_j w_j · y_j [+ y_shared]) in fp32 [then bf16(residual + out)].
 // Both launches use programmatic dependent launch (pdl.cuh).  Before its wait, gate/up prefetches
-// the shared expert's rows into L2; when the caller passes x_settled (x was complete before the
-// previous kernel let gate/up launch: the model's router gemv, then kdtree::moe_route), the shared
-// expert's blocks instead come first in the grid and compute before the wait (they wait only to
-// write).  Before its wait, down prefetches the shared expert's row into L2 (the early route,
+// the shared expert's rows into L2; when the caller passes route_logits (x was complete before the
+// kdtree::moe_route launched just before this op, which chose the routing from those logits: the
+// model's router gemv, then moe_route), the shared expert's blocks instead come first in the grid
+// and run whole before the wait.  Before its wait, down prefetches the shared expert's row into L2 (the early route,
 // KDTREE_MOE_DOWN_LATE_ROUTE=0: also the rows its token's experts will need, and the first
 // kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared expert's row
 // into registers -- coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT without
@@ -77,12 +77,16 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 
 // Slots 0 .. T·k - 1 are the routed (token, slot) pairs; with a shared expert, slots T·k + t are
 // token t's shared expert (weights [Is, H], activations after the routed ones in act).
-// shared_first (the caller's x_settled, with a shared expert): x was complete before the previous
-// kernel let this grid launch, so the shared expert's blocks need nothing from that kernel.  They
-// are then grid rows 0 .. T - 1 (dispatched first) and stream their rows before the programmatic-launch
-// wait, beside the previous kernel (the router's choice), reading x through L2; they wait only to
-// write their activations.  The routed slots follow as grid rows T .. T·k + T - 1.  The same
-// arithmetic either way (the same bits).
+// shared_first (the caller's route_logits, with a shared expert): x was complete before the previous
+// kernel (moe_route) let this grid launch, so the shared expert's blocks need nothing from that
+// kernel.  They are then grid rows 0 .. T - 1 (dispatched first) and run whole without the
+// programmatic-launch wait, beside moe_route, reading x through L2, and exit (freeing their slots
+// for the routed blocks).  Writing act before the wait is safe because act is new memory the op
+// allocated while the caller held moe_route's logits: moe_route reads only those and its bias (a
+// weight), and everything before it is complete.  The routed slots follow as grid rows
+// T .. T·k + T - 1.  The same arithmetic either way (the same bits).
+// Bench/RESULTS.md run 148: waiting before the write (blocks holding their slots) was slower than
+// not starting early at all.
 template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
@@ -131,9 +135,6 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   KD_TRACE(trace, 3);
   g = warp_sum(g);
   u = warp_sum(u);
-  // A block that skipped the wait still writes only after it: act is new memory, which the caching
-  // allocator may have taken from a buffer the previous kernel still reads (the router's logits).
-  if (now) pdl_wait();
   if (lane == 0) {
     const float gb = round_bf16(g), ub = round_bf16(u);
     const int64_t at = is_shared ? int64_t(T) * k * I + int64_t(t) * Is + i : int64_t(slot) * I + i;
@@ -294,7 +295,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
                          const std::optional<at::Tensor>& shared_down, const std::optional<at::Tensor>& residual,
-                         bool x_settled) {
+                         const std::optional<at::Tensor>& route_logits) {
   constexpr const char* op = "kdtree::moe_gemv";
   check_cuda_tensor(x, op, "x", at::kBFloat16, 2);
   check_cuda_tensor(gate, op, "gate_proj", at::kBFloat16, 3);
@@ -304,6 +305,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   check_cuda_tensor(topk_weights, op, "topk_weights", at::kFloat, 2);
   for (const at::Tensor* t : {&gate, &up, &down, &topk_ids, &topk_weights})
     KD_CHECK(t->device() == x.device(), op, ": all inputs must be on one device");
+  check_route_logits(op, route_logits, x, topk_ids);
   const int64_t T = x.size(0), H = x.size(1), E = gate.size(0), I = gate.size(1);
   KD_CHECK(gate.size(2) == H && up.sizes() == gate.sizes(), op, ": gate_proj and up_proj must be [E, I, H = ", H,
            "], got ", gate.sizes(), " and ", up.sizes());
@@ -327,6 +329,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   if (T == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // allocated while the caller holds route_logits (when given): see moe_gate_up_kernel's shared_first
   at::Tensor act = at::empty({T * k * I + T * Is}, x.options());
   const auto* sg = has_shared ? reinterpret_cast<const __nv_bfloat16*>(shared_gate->data_ptr()) : nullptr;
   const auto* su = has_shared ? reinterpret_cast<const __nv_bfloat16*>(shared_up->data_ptr()) : nullptr;
@@ -342,7 +345,7 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, gu_grid,
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
-                int(Is), int(T), has_shared && x_settled, actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
+                int(Is), int(T), has_shared && route_logits.has_value(), actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
   const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
   // KDTREE_MOE_DOWN_LATE_ROUTE=0 (A/B runs; read per call): the early-route down kernel, whose
   // pre-wait weight loads KDTREE_PREWAIT governs.

@@ -100,3 +100,16 @@ def check_shared_expert(op: str, x: torch.Tensor, shared_gate, shared_up, shared
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{op}: residual must be [T, H] = {(T, H)}, got {tuple(residual.shape)}")
     return Is
+
+
+def check_route_logits(op: str, route_logits, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """The optional ``route_logits`` of ``moe_gemv`` / ``int4_moe`` (a launch-order hint): the fp32
+    logits [T, E] that ``kdtree::moe_route`` chose ``topk_ids`` from, on x's device."""
+    if route_logits is None:
+        return
+    if not isinstance(route_logits, torch.Tensor):
+        raise TypeError(f"{op}: route_logits must be a tensor or None, got {type(route_logits).__name__}")
+    check_same_device(op, x=x, route_logits=route_logits)
+    if route_logits.dtype != torch.float32 or route_logits.dim() != 2 or route_logits.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"{op}: route_logits must be float32 [T = {topk_ids.shape[0]}, E] (moe_route's logits), got "
+                         f"{route_logits.dtype} {tuple(route_logits.shape)}")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_routing, check_same_device, check_shared_expert, check_tensor, value_checks_active
+from ._checks import (check_route_logits, check_routing, check_same_device, check_shared_expert, check_tensor,
+                      value_checks_active)
 
 MAX_TOPK = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,12 +71,14 @@ def _activation(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.
 def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
                        shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                       residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
+                       residual: torch.Tensor | None = None,
+                       route_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::moe_gemv``: per used expert, fp32
     matmuls with the rounding points of the module docstring; the top-k terms summed in order,
-    then the shared expert's; the residual added to the rounded sum.  ``x_settled`` is a launch
-    hint for the CUDA kernel and changes nothing here."""
+    then the shared expert's; the residual added to the rounded sum.  ``route_logits`` is a launch
+    hint for the CUDA kernel and changes nothing here (it is only checked)."""
     _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
+    check_route_logits("moe_gemv", route_logits, x, topk_ids)
     T, H = x.shape
     E, k = gate_proj.shape[0], topk_ids.shape[1]
     dt = x.dtype
@@ -99,7 +102,7 @@ def moe_gemv_reference(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.
 def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
              topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
              shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None, x_settled: bool = False) -> torch.Tensor:
+             residual: torch.Tensor | None = None, route_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert MLP with dense (bf16 on CUDA) weights, one GEMV per (token, slot).
 
     Args:
@@ -110,19 +113,23 @@ def moe_gemv(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, do
         shared_gate, shared_up: [Is, H], shared_down: [H, Is] (all three or none): a shared expert
             added with weight 1. Is a multiple of 8.
         residual: [T, H] in x's dtype: returns ``residual + out`` (one rounding after each).
-        x_settled: a promise about launch order that lets the CUDA kernel start the shared expert
-            early; the result is the same bits either way.  Pass True only when x was complete
-            before the kernel launched just before this op let its dependents launch -- e.g. x
-            written before a ``kdtree::moe_route`` that chose ``topk_ids`` (moe_route lets the next
-            kernel launch only after its own programmatic-launch wait, so everything before it is
-            done).  The shared expert's gate/up blocks then stream their weights without waiting
-            for that kernel (they wait only to write).  Never pass it when x comes from the kernel
-            just before this op (it may still be running).
+        route_logits: a launch-order hint that lets the CUDA kernel run the shared expert early;
+            the result is the same bits either way.  Pass the fp32 logits [T, E] from which the
+            ``kdtree::moe_route`` launched *just before* this op chose ``topk_ids``, and only when x
+            was complete before that moe_route ran (e.g. x written by the kernel that produced the
+            logits; moe_route lets the next kernel launch only after its own programmatic-launch
+            wait, so everything before it is then done).  The shared expert's gate/up blocks then
+            run whole without waiting for moe_route: they read x and write their activations
+            while it runs.  Holding the logits (moe_route's only non-weight input) through the op
+            keeps the op's new buffers from taking memory moe_route still reads.  Never pass it
+            when another kernel runs between moe_route and this op, or when x comes from moe_route
+            or later.
     No host synchronisation on CUDA (CUDA-graph safe); deterministic.
     """
     _check(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up, shared_down, residual)
+    check_route_logits("moe_gemv", route_logits, x, topk_ids)
     return torch.ops.kdtree.moe_gemv(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate, shared_up,
-                                     shared_down, residual, bool(x_settled))
+                                     shared_down, residual, route_logits)
 
 
 torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
@@ -130,7 +137,7 @@ torch.library.register_kernel("kdtree::moe_gemv", "cpu", moe_gemv_reference)
 
 @torch.library.register_fake("kdtree::moe_gemv")
 def _(x, gate_proj, up_proj, down_proj, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None,
-      residual=None, x_settled=False):
+      residual=None, route_logits=None):
     return x.new_empty(x.shape)
 
 
