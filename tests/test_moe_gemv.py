@@ -383,11 +383,17 @@ def test_cuda_route_logits_gives_the_same_bits(fresh_seed, T, k, E, H, I, Is):
         args = args + make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
     res = torch.randn((T, H), device="cuda").to(torch.bfloat16)
     logits = torch.randn((T, E), device="cuda")
+
+    def hinted(**kw):  # the hint's promise: nothing but a reader of the logits may still run (here: nothing)
+        torch.cuda.synchronize()
+        return moe_gemv(*args, route_logits=logits, **kw)
+
     with value_checks(False):
         base = moe_gemv(*args)
-        assert torch.equal(moe_gemv(*args, route_logits=logits), base)
+        assert torch.equal(hinted(), base)
         if Is:
-            assert torch.equal(moe_gemv(*args, residual=res, route_logits=logits), moe_gemv(*args, residual=res))
+            want_res = moe_gemv(*args, residual=res)
+            assert torch.equal(hinted(residual=res), want_res)
         want = moe_gemv_reference(*(a.cpu() for a in args))
     assert rel_err(base, want) < 8e-3
     full = args + (None,) * (9 - len(args))
@@ -451,8 +457,8 @@ def test_opcheck_cuda(fresh_seed):
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, cuda_case(fresh_seed, 2, 4, 8, 256, 64) + shared)
     case = cuda_case(fresh_seed, 2, 4, 8, 256, 64)
     torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2,))
-    logits = torch.randn((2, 8), device="cuda")
-    torch.library.opcheck(torch.ops.kdtree.moe_gemv.default, case + shared + (case[0] * 2, logits))
+    # (route_logits is opchecked on CPU only: opcheck's back-to-back calls break the hint's promise
+    # that only moe_route, reading the logits, may still run)
 
 
 @requires_kernel

@@ -45,10 +45,13 @@ _SHARED_IN_MOE_GEMV = True
 # and the logits from one kdtree::gemv launch; or the router inside KimiK2MoE.forward), the experts'
 # op gets those logits as route_logits: the shared expert's gate/up blocks then run beside moe_route
 # instead of after it (the same bits; tests/test_generate.py checks on CUDA that no kernel runs
-# between moe_route and the op in the compiled steps).  KDTREE_MOE_SHARED_EARLY=0 turns it off for
-# kdtree::moe_gemv, KDTREE_INT4_SHARED_EARLY=0 for kdtree::int4_moe (read at import; A/B runs).
+# between moe_route and the op in the compiled steps).  On the H200 (bench/RESULTS.md run 149) 2p2b's
+# moe_gemv gained 1.4 % a step (0.5386 / 0.5413 vs 0.5476 / 0.5467 ms) and k2_slice's int4_moe lost
+# 2.5 % (0.3195 / 0.3190 vs 0.3116 / 0.3117), so the hint is on for moe_gemv
+# (KDTREE_MOE_SHARED_EARLY=0 turns it off) and off for int4_moe (KDTREE_INT4_SHARED_EARLY=1 turns it
+# on); both read at import.
 _SHARED_EARLY = os.environ.get("KDTREE_MOE_SHARED_EARLY", "1") != "0"
-_INT4_SHARED_EARLY = os.environ.get("KDTREE_INT4_SHARED_EARLY", "1") != "0"
+_INT4_SHARED_EARLY = os.environ.get("KDTREE_INT4_SHARED_EARLY", "0") == "1"
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
 # in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
 # with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42, fp32 routers: 2p2b
