@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights, moe_gemv, moe_route, moe_router
-from torch_kdtree.ops.moe import DECODE_MAX_BYTES, int4_decode_path_fits
+from torch_kdtree.ops.moe import int4_decode_path_fits
 from torch_kdtree.ops.moe_router import MAX_HIDDEN as _ROUTER_MAX_H
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as _ROUTE_MAX_E, MAX_GROUPS as _ROUTE_MAX_G, MAX_TOPK as _ROUTE_MAX_K
 
@@ -482,7 +482,6 @@ class KimiK2MoE(nn.Module):
                 and int4_decode_path_fits(x.numel() // x.shape[-1], self.gate.top_k, w.hidden_size,
                                           w.intermediate_size)
                 and shared.gate_proj.weight.shape[0] % 8 == 0
-                and 2 * shared.gate_proj.weight.shape[0] <= DECODE_MAX_BYTES
                 and plain_bf16(shared.gate_proj, shared.up_proj, shared.down_proj))
 
     def _shared_in_moe_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:

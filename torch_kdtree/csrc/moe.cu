@@ -793,8 +793,7 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
   at::Tensor workspace = at::empty({need}, x.options().dtype(at::kByte));
   at::Tensor out = at::empty_like(x);
   if (d.T == 0) return out;
-  if ((has_shared || residual.has_value()) && int4_decode_applies(d.T, d.topk, d.H, d.I) &&
-      Is * 2 <= kInt4DecodeMaxBytes) {
+  if ((has_shared || residual.has_value()) && int4_decode_applies(d.T, d.topk, d.H, d.I)) {
     // the decode path computes the shared expert and adds the residual in its two launches
     Int4DecodeExtra extra{};
     // the shared expert's activations [T, Is]: allocated while the caller holds route_logits (when

@@ -30,9 +30,8 @@
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
 //      order.  With a shared expert, warp w also takes rows 2 w and 2 w + 1 of the block's tile of
-//      shared_down [H, Is] against act_s (the first chunk per lane loaded before the wait; act_s
-//      staged in shared memory with the routed activations): a row's sum is the warps' routed sums
-//      in warp order plus the shared row.  With a residual:
+//      shared_down [H, Is] against act_s (the first chunk per lane loaded before the wait): a row's
+//      sum is the warps' routed sums in warp order plus the shared row.  With a residual:
 //      out = bf16(residual + bf16(sum)).  Before its programmatic-launch wait (pdl.cuh) it reads the
 //      routing (two kernels back) and starts its first weight copies (weights are never written by
 //      a predecessor).
@@ -202,7 +201,8 @@ __device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t
 // ends.  act_s is new memory allocated while the caller held moe_route's logits (its only
 // non-weight input), so it cannot be memory moe_route still reads.  The routed blocks copy x
 // before the wait too.  A template rather than a runtime flag: at the 48-register cap a flag made
-// ptxas spill the routed path.
+// ptxas spill the routed path.  On the H200 it made k2_slice 2.5 % slower (bench/RESULTS.md run
+// 149), so the model does not pass the hint to int4_moe (KDTREE_INT4_SHARED_EARLY=1 does).
 template <typename IdT, bool kShared, bool kFirst>
 __global__ void __launch_bounds__(kThreads, KD_INT4_DECODE_MIN_BLOCKS)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
@@ -334,8 +334,7 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
                         const int32_t* __restrict__ emap, int num_global, int E, int H, int I, int gs_shift, int topk,
                         bf16* __restrict__ out, const bf16* __restrict__ shared_down, int Is,
                         const bf16* __restrict__ act_s, const bf16* __restrict__ residual KD_TRACE_PARAM) {
-  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs | [Is / 2] shared-expert activation pairs
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(16) char smem[];  // [kWarps][kStages][tile] | [topk][I / 2] activation pairs
   __shared__ int s_e[kMaxTopk];
   __shared__ float s_w[kMaxTopk];
   __shared__ float red[kWarps][16];
@@ -386,14 +385,8 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   pdl_wait();
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
-  // The routed activations, then (kShared) the shared expert's, in one pass (one round trip).
-  {
-    const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
-    const uint4* ar = kShared ? reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is) : nullptr;
-    const int na = topk * I / 8, nt = na + (kShared ? sch : 0);
-    for (int i = threadIdx.x; i < nt; i += kThreads)
-      reinterpret_cast<uint4*>(s_act)[i] = __ldcg(i < na ? ag + i : ar + (i - na));
-  }
+  const uint4* ag = reinterpret_cast<const uint4*>(act + int64_t(tok) * topk * I);
+  for (int i = threadIdx.x; i < topk * I / 8; i += kThreads) reinterpret_cast<uint4*>(s_act)[i] = __ldcg(ag + i);
   __syncthreads();
   KD_TRACE(trace, 3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -415,17 +408,17 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
   KD_TRACE(trace, 4);
   stash_rows(red[warp], acc, lane);
   if (kShared) {
-    const uint4* s_as = reinterpret_cast<const uint4*>(s_act + topk * I / 2);
+    const uint4* ar = reinterpret_cast<const uint4*>(act_s + int64_t(tok) * Is);
     float d[2] = {0.f, 0.f};
 #pragma unroll
     for (int b = 0; b < kShFirst; ++b)
       if (lane + 32 * b < sch) {
-        const uint4 a = s_as[lane + 32 * b];
+        const uint4 a = __ldcg(ar + lane + 32 * b);
         d[0] = dot8(sw[0][b], a, d[0]);
         d[1] = dot8(sw[1][b], a, d[1]);
       }
     for (int c = lane + 32 * kShFirst; c < sch; c += 32) {
-      const uint4 w0 = ld_stream(sdr + c), w1 = ld_stream(sdr + sch + c), a = s_as[c];
+      const uint4 w0 = ld_stream(sdr + c), w1 = ld_stream(sdr + sch + c), a = __ldcg(ar + c);
       d[0] = dot8(w0, a, d[0]);
       d[1] = dot8(w1, a, d[1]);
     }
@@ -494,7 +487,7 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
                    dim3(1, 1, unsigned(splits)), up_smem, stream, pdl, a.x, a.w13q, a.w13s, ids, a.emap, ng, E, H, I,
                    gs_shift, k, per_split, a.act, a.extra.shared_gate, a.extra.shared_up, Is, ns,
                    a.extra.act_s KD_TRACE_ARG(kTraceInt4Up, dim3(unsigned(I / 16), unsigned(T * (k + ns)))));
-  const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2 + size_t(Is) * 2;
+  const size_t down_smem = size_t(kWarps) * kStages * (kTileBytes + kScaleBytes) + size_t(k) * I * 2;
   const auto down = Is > 0 ? &int4_decode_down_kernel<IdT, true> : &int4_decode_down_kernel<IdT, false>;
   allow_smem(down, down_smem);
   launch_kernel(down, dim3(unsigned(H / 16), unsigned(T)), dim3(kThreads), down_smem, stream, pdl,
