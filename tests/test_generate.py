@@ -801,8 +801,10 @@ def _checked_route_logits_calls(codes: list[str], op: str) -> int:
             routes = [j for j in range(i) if "kdtree.moe_route.default(" in lines[j]]
             assert routes, f"{op} with route_logits but no moe_route before it: {line.strip()}"
             r = routes[-1]
-            route_args = _top_level_args(lines[r][lines[r].index("moe_route.default(") + len("moe_route.default(") - 1 :])
-            assert buffer_of(route_args[0]) == hint, f"{op}'s route_logits {hint} is not moe_route's logits {route_args[0]}"
+            route_call = "moe_route.default("
+            route_args = _top_level_args(lines[r][lines[r].index(route_call) + len(route_call) - 1 :])
+            assert buffer_of(route_args[0]) == hint, \
+                f"{op}'s route_logits {hint} is not moe_route's logits {route_args[0]}"
             between = [l.strip() for l in lines[r + 1 : i]
                        if launch.search(l) and not l.strip().startswith("assert_")]  # host-side checks
             assert not between, f"launches between moe_route and {op}: {between}"

@@ -6,8 +6,11 @@
 // launch_dependents() or exited.  The rules every kernel here follows:
 //   - pdl_wait() before reading anything the predecessor may have written and before writing
 //     anything (an output may reuse memory the predecessor still reads); a block exits without
-//     waiting only when it has nothing to do and other blocks of its grid do wait (int4_moe's
-//     unused expert blocks), so a grid never completes before its predecessor has;
+//     waiting only when other blocks of its grid do wait, so a grid never completes before its
+//     predecessor has: int4_moe's unused expert blocks (nothing to do), and the shared-expert
+//     blocks of moe_gemv / int4_moe given route_logits, which read only x (complete two kernels
+//     back: the caller's promise) and write only memory the op allocated while holding the
+//     predecessor's (moe_route's) one non-weight input;
 //   - pdl_launch_dependents() only after pdl_wait() (or anywhere in a kernel launched without
 //     PDL, such as int4_moe's align): a successor's pre-wait code may then rely on everything two
 //     or more kernels back being complete;
