@@ -906,7 +906,7 @@ def _up_kernels_run(fn) -> list[str]:
     (24, 512, 64, 1024, 2, 6, None),     # Is > I
 ])
 def test_cuda_decode_path_route_logits_changes_no_bit(fresh_seed, monkeypatch, E, H, I, Is, T, k, splits):
-    """route_logits (shared-expert blocks first and without the wait, x read before it) gives the
+    """route_logits (shared-expert blocks without the wait, routed blocks reading x before it) gives the
     same bits as without it, with an out-of-range id and a duplicate among the routing, int32 and
     int64 ids; the launch really runs the <.., true, true> gate/up kernel; a malformed hint raises
     in the kernel's own checks."""

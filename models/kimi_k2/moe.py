@@ -47,7 +47,8 @@ _SHARED_IN_MOE_GEMV = True
 # instead of after it (the same bits; tests/test_generate.py checks on CUDA that no kernel runs
 # between moe_route and the op in the compiled steps).  On the H200 (bench/RESULTS.md run 149) 2p2b's
 # moe_gemv gained 1.4 % a step (0.5386 / 0.5413 vs 0.5476 / 0.5467 ms) and k2_slice's int4_moe lost
-# 2.5 % (0.3195 / 0.3190 vs 0.3116 / 0.3117), so the hint is on for moe_gemv
+# 2.5 % (0.3195 / 0.3190 vs 0.3116 / 0.3117) with its shared-expert blocks first in the grid (since
+# then they are last, csrc/moe_decode.cu: not yet timed), so the hint is on for moe_gemv
 # (KDTREE_MOE_SHARED_EARLY=0 turns it off) and off for int4_moe (KDTREE_INT4_SHARED_EARLY=1 turns it
 # on); both read at import.
 _SHARED_EARLY = os.environ.get("KDTREE_MOE_SHARED_EARLY", "1") != "0"

@@ -797,7 +797,7 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
     // the decode path computes the shared expert and adds the residual in its two launches
     Int4DecodeExtra extra{};
     // the shared expert's activations [T, Is]: allocated while the caller holds route_logits (when
-    // given), so the gate/up blocks that write them before their wait (shared_first) cannot be
+    // given), so the gate/up blocks that write them before their wait (shared_early) cannot be
     // writing memory the predecessor (moe_route) still reads
     at::Tensor act_s;
     if (has_shared) {
@@ -807,7 +807,7 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
       extra.shared_down = reinterpret_cast<const bf16*>(shared_down->data_ptr());
       extra.Is = Is;
       extra.act_s = reinterpret_cast<bf16*>(act_s.data_ptr());
-      extra.shared_first = route_logits.has_value();
+      extra.shared_early = route_logits.has_value();
     }
     if (residual.has_value()) extra.residual = reinterpret_cast<const bf16*>(residual->data_ptr());
     moe_forward(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size, block_size, k_splits,

@@ -27,7 +27,7 @@ struct Int4DecodeExtra {
   // the caller's route_logits (with a shared expert): x was complete before the kdtree::moe_route
   // launched just before this call; the shared expert's gate/up blocks then run whole before the
   // wait (moe_decode.cu)
-  bool shared_first = false;
+  bool shared_early = false;
 };
 
 struct Int4DecodeArgs {
