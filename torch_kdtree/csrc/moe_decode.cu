@@ -236,7 +236,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     // Before the wait (the weights depend on no routing): the row's first kShBatch chunks per lane
     // copied into the warp's slots of the (here unused) ring -- no registers held across the wait,
     // where 4 uint4 of them made ptxas spill in-flight loads at the 48-register cap -- the rest
-    // into L2.  After it, x's copies (one round trip for all of them).
+    // into L2.  After it (kEarly: without it), x's copies (one round trip for all of them).
     uint4* first = reinterpret_cast<uint4*>(smem) + warp * 32 * kShBatch;
     static_assert(kWarps * 32 * kShBatch * 16 <= kWarps * kUpStages * 2 * (kTileBytes + kScaleBytes),
                   "the first batches fit in the ring");
