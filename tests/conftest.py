@@ -30,6 +30,15 @@ def fresh_seed():
     return seed
 
 
+def cuda_kernels_run(fn, part: str):
+    """``(fn(), names)``: names of the CUDA kernels containing ``part`` that fn launched
+    (torch.profiler; synchronised before the trace closes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {e.name for e in prof.events() if part in e.name}
+
+
 def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
     """Fill a block of the caching allocator with 0x5A and free it, so outputs the kernel under
     test allocates from it show up if left unwritten."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import requires_cuda_kernel
+from .conftest import cuda_kernels_run, requires_cuda_kernel
 from torch_kdtree.ops import gemv, gemv_reference
 
 requires_kernel = requires_cuda_kernel("kdtree::gemv")
@@ -370,10 +370,7 @@ def test_cuda_ring_switch_picks_the_kernel(fresh_seed, monkeypatch):
     x, weights, kw = cuda_case(fresh_seed, 1, 2048, (1536, 576), "norm", False)
 
     def kernels():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            gemv(x, weights, **kw)
-            torch.cuda.synchronize()
-        return {e.name for e in prof.events() if "gemv" in e.name}
+        return cuda_kernels_run(lambda: gemv(x, weights, **kw), "gemv")[1]
 
     monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
     monkeypatch.delenv("KDTREE_GEMV_DECODE_KERNEL", raising=False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import requires_cuda
+from .conftest import cuda_kernels_run, requires_cuda
 from torch_kdtree.ops import (Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
                               int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack)
 
@@ -889,14 +889,6 @@ def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypa
 # route_logits: the shared expert's gate/up blocks before the programmatic-launch wait
 # --------------------------------------------------------------------------------------------
 
-def _up_kernels_run(fn) -> list[str]:
-    """Names of the decode path's gate/up kernels that fn launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "int4_decode_up_kernel" in e.name]
-
-
 @requires_cuda
 @pytest.mark.parametrize("E,H,I,Is,T,k,splits", [
     (384, 7168, 256, 256, 1, 8, None),   # a K2 TP-8 rank
@@ -936,9 +928,10 @@ def test_cuda_decode_path_route_logits_changes_no_bit(fresh_seed, monkeypatch, E
             assert torch.equal(got, base)
         ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
         assert rel_err(got, ref) <= 1e-2
-        names = _up_kernels_run(lambda: hinted(ids))
+        _, names = cuda_kernels_run(lambda: hinted(ids), "int4_decode_up_kernel")
         assert names and all("true, true>" in n for n in names), names
-        names = _up_kernels_run(lambda: int4_moe(x, w, ids, tw, shared=shared, residual=res))
+        _, names = cuda_kernels_run(lambda: int4_moe(x, w, ids, tw, shared=shared, residual=res),
+                                    "int4_decode_up_kernel")
         assert names and all("true, false>" in n for n in names), names
         plan = int4_moe_plan(T, k, E, H, I, "cuda")
         args = (x, *w[:4], ids, tw, None, 32, plan.block_size, plan.k_splits, *shared, res)

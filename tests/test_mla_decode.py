@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import poison_cuda_allocator, requires_cuda_kernel
+from conftest import cuda_kernels_run, poison_cuda_allocator, requires_cuda_kernel
 from torch_kdtree.ops import mla_decode, mla_decode_reference, value_checks
 
 requires_decode_cuda = requires_cuda_kernel("kdtree::mla_decode")
@@ -256,10 +256,8 @@ def test_cuda_exchange_modes_agree(fresh_seed, monkeypatch, lens, heads):
     a = _inputs(fresh_seed, lens, heads, device="cuda")
 
     def run():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
-            torch.cuda.synchronize()
-        return out, {e.name for e in prof.events() if "mla_decode_kernel" in e.name}
+        return cuda_kernels_run(lambda: _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True),
+                                "mla_decode_kernel")
 
     monkeypatch.delenv("KDTREE_MLA_PUSH", raising=False)
     pushed, names_push = run()
@@ -291,10 +289,8 @@ def test_cuda_default_ring_depth(fresh_seed, monkeypatch, lens, heads):
     profiler sees), with the same bits as either depth forced."""
     monkeypatch.delenv("KDTREE_MLA_DECODE_STAGES", raising=False)
     a = _inputs(fresh_seed, lens, heads, device="cuda")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if "mla_decode_kernel" in e.name}
+    got, names = cuda_kernels_run(
+        lambda: _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True), "mla_decode_kernel")
     assert any(f"mla_decode_kernel<{_default_stages(heads, len(lens))}, true>" in n for n in names), names
     for forced in ("2", "3"):
         monkeypatch.setenv("KDTREE_MLA_DECODE_STAGES", forced)

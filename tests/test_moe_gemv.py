@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import requires_cuda_kernel
+from .conftest import cuda_kernels_run, requires_cuda_kernel
 from torch_kdtree.ops import gemv, moe_gemv, moe_gemv_reference, moe_route, value_checks
 
 requires_kernel = requires_cuda_kernel("kdtree::moe_gemv")
@@ -355,10 +355,7 @@ def test_cuda_late_and_early_route_give_the_same_bits(fresh_seed, monkeypatch, T
         for late, prewait in (("1", "moe_gemv"), ("0", "moe_gemv"), ("0", "0")):
             monkeypatch.setenv("KDTREE_MOE_DOWN_LATE_ROUTE", late)
             monkeypatch.setenv("KDTREE_PREWAIT", prewait)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                got[late, prewait] = moe_gemv(*args)
-                torch.cuda.synchronize()
-            names = {e.name for e in prof.events() if "moe_down_kernel" in e.name}
+            got[late, prewait], names = cuda_kernels_run(lambda: moe_gemv(*args), "moe_down_kernel")
             assert any(f"moe_down_kernel<{'true' if late == '1' else 'false'}>" in n for n in names), names
         monkeypatch.delenv("KDTREE_MOE_DOWN_LATE_ROUTE")
         got["default"] = moe_gemv(*args)
