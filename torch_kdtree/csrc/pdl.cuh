@@ -12,8 +12,10 @@
 //     back: the caller's promise) and write only memory the op allocated while holding the
 //     predecessor's (moe_route's) one non-weight input;
 //   - pdl_launch_dependents() only after pdl_wait() (or anywhere in a kernel launched without
-//     PDL, such as int4_moe's align): a successor's pre-wait code may then rely on everything two
-//     or more kernels back being complete;
+//     PDL, such as int4_moe's align; or in a block that skips its wait, moe_gemv's route_logits
+//     shared-expert blocks, when other blocks of the grid trigger only after theirs -- dependents
+//     launch once every block has triggered or exited): a successor's pre-wait code may then rely
+//     on everything two or more kernels back being complete;
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale), loads
 //     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
