@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import cuda_kernels_run, requires_cuda
+from .conftest import requires_cuda
 from torch_kdtree.ops import (Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
                               int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack)
 
@@ -429,21 +429,6 @@ def test_opcheck_cpu(small_moe):
     gen = torch.Generator().manual_seed(0)
     shared = make_shared(gen, x.shape[1], 16, x.dtype)
     torch.library.opcheck(torch.ops.kdtree.int4_moe.default, (*args, *shared, torch.randn_like(x)))
-    logits = torch.randn(x.shape[0], 5)
-    torch.library.opcheck(torch.ops.kdtree.int4_moe.default, (*args, *shared, torch.randn_like(x), logits))
-
-
-def test_route_logits_is_only_a_hint_on_cpu(small_moe):
-    w, x, ids, tw, _ = small_moe
-    shared = make_shared(torch.Generator().manual_seed(1), x.shape[1], 16, x.dtype)
-    res = torch.randn_like(x)
-    logits = torch.randn(x.shape[0], w.num_experts)
-    assert torch.equal(int4_moe(x, w, ids, tw, shared=shared, residual=res, route_logits=logits),
-                       int4_moe(x, w, ids, tw, shared=shared, residual=res))
-    with pytest.raises(ValueError, match="route_logits must be float32"):
-        int4_moe(x, w, ids, tw, route_logits=logits.double())
-    with pytest.raises(ValueError, match="route_logits must be float32"):
-        int4_moe(x, w, ids, tw, route_logits=logits[:1])
 
 
 def test_compiles_with_fullgraph_on_cpu(small_moe):
@@ -659,8 +644,7 @@ def test_opcheck_cuda(fresh_seed):
     ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
     torch.library.opcheck(torch.ops.kdtree.int4_moe_out.default, (*args, ws, torch.empty_like(x)))
     shared = make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed), 256, 64, torch.bfloat16, "cuda")
-    # the decode path with its shared expert and residual (route_logits is opchecked on CPU only:
-    # opcheck's back-to-back calls break the hint's promise that only moe_route may still run)
+    # the decode path with its shared expert and residual
     torch.library.opcheck(torch.ops.kdtree.int4_moe.default, (*args, *shared, torch.randn_like(x)))
 
 
@@ -883,98 +867,3 @@ def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypa
     dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw, expert_map=emap)
     assert torch.equal(dec[0], torch.zeros_like(dec[0]))
     assert rel_err(dec, gemm) <= 4e-3
-
-
-# --------------------------------------------------------------------------------------------
-# route_logits: the shared expert's gate/up blocks before the programmatic-launch wait
-# --------------------------------------------------------------------------------------------
-
-@requires_cuda
-@pytest.mark.parametrize("E,H,I,Is,T,k,splits", [
-    (384, 7168, 256, 256, 1, 8, None),   # a K2 TP-8 rank
-    (384, 7168, 256, 256, 4, 8, None),   # four tokens
-    (16, 1024, 128, 200, 3, 4, None),    # idle shared blocks
-    (16, 2048, 128, 64, 1, 2, "3"),      # gate/up split over K (clusters of 3)
-    (24, 512, 64, 1024, 2, 6, None),     # Is > I
-])
-def test_cuda_decode_path_route_logits_changes_no_bit(fresh_seed, monkeypatch, E, H, I, Is, T, k, splits):
-    """route_logits (shared-expert blocks without the wait, routed blocks reading x before it) gives the
-    same bits as without it, with an out-of-range id and a duplicate among the routing, int32 and
-    int64 ids; the launch really runs the <.., true, true> gate/up kernel; a malformed hint raises
-    in the kernel's own checks."""
-    if splits is not None:
-        monkeypatch.setenv("KDTREE_INT4_DECODE_SPLITS", splits)
-    monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    w = cuda_weights(gen, E, H, I, 32)
-    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = cuda_routing(gen, T, k, E)
-    if k >= 2:
-        ids[0, 0] = E + 5      # out of range: contributes nothing
-        ids[-1, 1] = ids[-1, 0]  # a duplicate
-    shared = make_shared(gen, H, Is, torch.bfloat16, "cuda")
-    res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
-    logits = torch.randn((T, E), generator=gen, device="cuda")
-    from torch_kdtree.ops._checks import value_checks
-
-    def hinted(id_t):  # the hint's promise: nothing but a reader of the logits may still run (here: nothing)
-        torch.cuda.synchronize()
-        return int4_moe(x, w, id_t, tw, shared=shared, residual=res, route_logits=logits)
-
-    with value_checks(False):
-        for id_t in (ids, ids.long()):
-            base = int4_moe(x, w, id_t, tw, shared=shared, residual=res)
-            got = hinted(id_t)
-            assert torch.equal(got, base)
-        ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
-        assert rel_err(got, ref) <= 1e-2
-        _, names = cuda_kernels_run(lambda: hinted(ids), "int4_decode_up_kernel")
-        assert names and all("true, true>" in n for n in names), names
-        _, names = cuda_kernels_run(lambda: int4_moe(x, w, ids, tw, shared=shared, residual=res),
-                                    "int4_decode_up_kernel")
-        assert names and all("true, false>" in n for n in names), names
-        plan = int4_moe_plan(T, k, E, H, I, "cuda")
-        args = (x, *w[:4], ids, tw, None, 32, plan.block_size, plan.k_splits, *shared, res)
-        with pytest.raises(RuntimeError, match="route_logits must be float32"):
-            torch.ops.kdtree.int4_moe(*args, logits.double())
-        with pytest.raises(RuntimeError, match="route_logits must be on x's device"):
-            torch.ops.kdtree.int4_moe(*args, logits.cpu())
-
-
-@requires_cuda
-def test_cuda_route_logits_chain_in_a_graph_matches_eager(fresh_seed):
-    """The model's chain: RMSNorm -> router product (x read) -> kdtree::moe_route -> int4_moe with
-    the logits as route_logits, captured in a CUDA graph and replayed on fresh hidden states: every
-    replay equals the eager chain without the hint, bit for bit."""
-    from torch_kdtree.ops import moe_route
-    from torch_kdtree.ops._checks import value_checks
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    E, H, I, Is, T, k = 384, 7168, 256, 256, 1, 8
-    w = cuda_weights(gen, E, H, I, 32)
-    shared = make_shared(gen, H, Is, torch.bfloat16, "cuda")
-    router = (torch.randn((E, H), generator=gen, device="cuda") / math.sqrt(H)).to(torch.bfloat16)
-    bias = torch.randn((E,), generator=gen, device="cuda") * 0.01
-    norm_w = (1 + 0.1 * torch.randn((H,), generator=gen, device="cuda")).to(torch.bfloat16)
-    h = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
-
-    def chain(settled: bool):
-        hf = h.float()
-        x = (norm_w.float() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
-             ).to(torch.bfloat16)
-        logits = x.float() @ router.float().T
-        ids, tw = moe_route(logits, bias, k, 1, 1, True, 2.827)
-        return int4_moe(x, w, ids, tw, shared=shared, residual=h, route_logits=logits if settled else None)
-
-    with value_checks(False):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain(True)  # warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(True)
-        for _ in range(3):
-            h.copy_(torch.randn((T, H), generator=gen, device="cuda"))
-            graph.replay()
-            assert torch.equal(out, chain(False))

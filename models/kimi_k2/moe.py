@@ -43,16 +43,14 @@ _HAS_MOE_ROUTER_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::m
 _SHARED_IN_MOE_GEMV = True
 # When kdtree::moe_route chose the experts from logits whose product read x (KimiK2MoE.route_gemv: x
 # and the logits from one kdtree::gemv launch; or the router inside KimiK2MoE.forward), the experts'
-# op gets those logits as route_logits: the shared expert's gate/up blocks then run beside moe_route
-# instead of after it (the same bits; tests/test_generate.py checks on CUDA that no kernel runs
-# between moe_route and the op in the compiled steps).  On the H200 (bench/RESULTS.md run 149) 2p2b's
-# moe_gemv gained 1.4 % a step (0.5386 / 0.5413 vs 0.5476 / 0.5467 ms) and k2_slice's int4_moe lost
-# 2.5 % (0.3195 / 0.3190 vs 0.3116 / 0.3117) with its shared-expert blocks first in the grid (since
-# then they are last, csrc/moe_decode.cu: not yet timed), so the hint is on for moe_gemv
-# (KDTREE_MOE_SHARED_EARLY=0 turns it off) and off for int4_moe (KDTREE_INT4_SHARED_EARLY=1 turns it
-# on); both read at import.
+# kdtree::moe_gemv gets those logits as route_logits: the shared expert's gate/up blocks then run
+# beside moe_route instead of after it (the same bits; tests/test_generate.py checks on CUDA that no
+# kernel runs between moe_route and moe_gemv in the compiled steps).  On the H200 (bench/RESULTS.md
+# run 149) 2p2b gained 1.4 % a step (0.5386 / 0.5413 vs 0.5476 / 0.5467 ms).  KDTREE_MOE_SHARED_EARLY=0
+# turns it off (read at import).  int4_moe had the same hint for a while and lost on k2_slice both
+# with its shared-expert blocks first in the grid (run 149: 0.3195 / 0.3190 vs 0.3116 / 0.3117 ms) and
+# last (run 151: 0.3162 / 0.3150 / 0.3158 vs 0.3140 / 0.3153 / 0.3137), so it was removed.
 _SHARED_EARLY = os.environ.get("KDTREE_MOE_SHARED_EARLY", "1") != "0"
-_INT4_SHARED_EARLY = os.environ.get("KDTREE_INT4_SHARED_EARLY", "0") == "1"
 # Decode-sized bf16 passes on CUDA: the post-attention RMSNorm, the router product and the choice
 # in one kdtree::moe_router launch (KimiK2MoE.router_fused_ok).  Off: the model's CUDA tests pass
 # with it, but decode was slower with it on the H200 (bench/RESULTS.md run 42, fp32 routers: 2p2b
@@ -424,9 +422,9 @@ class KimiK2MoE(nn.Module):
         here.  With ``residual`` (x's shape; callers pass it only when :meth:`fuses_residual`):
         ``residual + MoE(x)``, the add inside kdtree::moe_gemv's down kernel when that computes the
         block.  ``route_logits`` (with ``routing``; :meth:`route_gemv`'s logits): the logits
-        kdtree::moe_route chose ``routing`` from, computed from x -- passed on to kdtree::moe_gemv /
-        kdtree::int4_moe as their launch-order hint (the same result).  The router here passes its
-        own logits the same way when it chooses in kdtree::moe_route."""
+        kdtree::moe_route chose ``routing`` from, computed from x -- passed on to kdtree::moe_gemv as
+        its launch-order hint (the same result).  The router here passes its own logits the same way
+        when it chooses in kdtree::moe_route."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
@@ -440,7 +438,7 @@ class KimiK2MoE(nn.Module):
         if self._int4_shared_fits(x):  # the shared expert (and the residual) inside int4_moe
             y = int4_moe(x, self.experts.int4_weights(), topk_ids, topk_weights,
                          shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
-                         residual=res, route_logits=route_logits if _INT4_SHARED_EARLY else None)
+                         residual=res)
             return y.view(shape)
         if shared is not None and self._shared_in_moe_gemv(x, topk_ids):
             # the shared expert as one more slot of the routed experts' two launches

@@ -75,11 +75,10 @@ TORCH_LIBRARY(kdtree, m) {
   // Functional form: allocates the workspace (size depends on shapes only) and the output.
   // Optionally plus a bf16 shared expert (shared_gate / shared_up [Is, H], shared_down [H, Is],
   // weight 1) and a residual [T, H] added after rounding (the decoder layer's residual add).
-  // route_logits: a launch-order hint with no effect on the result (see ops/moe.py).
   m.def("int4_moe(Tensor x, Tensor w13_qweight, Tensor w13_scales, Tensor w2_qweight,"
         " Tensor w2_scales, Tensor topk_ids, Tensor topk_weights, Tensor? expert_map, int group_size,"
         " int block_size, int k_splits, Tensor? shared_gate=None, Tensor? shared_up=None,"
-        " Tensor? shared_down=None, Tensor? residual=None, Tensor? route_logits=None) -> Tensor");
+        " Tensor? shared_down=None, Tensor? residual=None) -> Tensor");
 
   // ---- bf16 MoE for decode-sized batches (ops/moe_gemv.py, csrc/moe_gemv.cu) ----
   // Routed experts with bf16 weights gate/up [E, I, H], down [E, H, I]: one GEMV per

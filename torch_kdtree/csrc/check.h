@@ -103,7 +103,7 @@ inline int64_t check_shared_expert(const char* op, const at::Tensor& x, const st
   return Is;
 }
 
-// The optional route_logits of moe_gemv / int4_moe (a launch-order hint, ops/moe_gemv.py): the fp32
+// The optional route_logits of moe_gemv (a launch-order hint, ops/moe_gemv.py): the fp32
 // logits [T, E] kdtree::moe_route chose topk_ids from, on x's device.
 inline void check_route_logits(const char* op, const std::optional<at::Tensor>& logits, const at::Tensor& x,
                                const at::Tensor& topk_ids) {

@@ -781,12 +781,10 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
                          const std::optional<at::Tensor>& expert_map, int64_t group_size, int64_t block_size,
                          int64_t k_splits, const std::optional<at::Tensor>& shared_gate,
                          const std::optional<at::Tensor>& shared_up, const std::optional<at::Tensor>& shared_down,
-                         const std::optional<at::Tensor>& residual,
-                         const std::optional<at::Tensor>& route_logits) {
+                         const std::optional<at::Tensor>& residual) {
   constexpr const char* op = "kdtree::int4_moe";
   const MoeDims d = check_moe_inputs(op, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size,
                                      block_size, k_splits);
-  check_route_logits(op, route_logits, x, topk_ids);
   const int64_t Is = check_shared_expert(op, x, shared_gate, shared_up, shared_down, residual);
   const bool has_shared = Is > 0;
   const int64_t need = workspace_layout(d.T, d.topk, d.E, d.H, d.I, block_size, k_splits).total;
@@ -796,10 +794,7 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
   if ((has_shared || residual.has_value()) && int4_decode_applies(d.T, d.topk, d.H, d.I)) {
     // the decode path computes the shared expert and adds the residual in its two launches
     Int4DecodeExtra extra{};
-    // the shared expert's activations [T, Is]: allocated while the caller holds route_logits (when
-    // given), so the gate/up blocks that write them before their wait (shared_early) cannot be
-    // writing memory the predecessor (moe_route) still reads
-    at::Tensor act_s;
+    at::Tensor act_s;  // the shared expert's activations [T, Is]
     if (has_shared) {
       act_s = at::empty({d.T, Is}, x.options());
       extra.shared_gate = reinterpret_cast<const bf16*>(shared_gate->data_ptr());
@@ -807,7 +802,6 @@ at::Tensor int4_moe_cuda(const at::Tensor& x, const at::Tensor& w13_q, const at:
       extra.shared_down = reinterpret_cast<const bf16*>(shared_down->data_ptr());
       extra.Is = Is;
       extra.act_s = reinterpret_cast<bf16*>(act_s.data_ptr());
-      extra.shared_early = route_logits.has_value();
     }
     if (residual.has_value()) extra.residual = reinterpret_cast<const bf16*>(residual->data_ptr());
     moe_forward(d, x, w13_q, w13_s, w2_q, w2_s, topk_ids, topk_weights, expert_map, group_size, block_size, k_splits,

@@ -22,9 +22,7 @@
 //      into L2), then act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
 //      Both kinds of block copy their slice of x into shared memory right after the wait (cp.async),
 //      the routed ones before they read the routing and issue their weight copies, so that x is
-//      not queued behind them.  With the caller's route_logits (Int4DecodeExtra::shared_early: x
-//      was complete before the kdtree::moe_route launched just before this call) the
-//      shared-expert blocks run whole without the wait, and the routed blocks copy x before it.
+//      not queued behind them.
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
@@ -193,19 +191,8 @@ __device__ __forceinline__ float shared_row_sum(const uint4* row, const uint32_t
 }
 
 // kShared: the launch has shared-expert blocks (a separate instantiation, so that calls without
-// one run the same code as before it existed).  kEarly (with kShared; the caller's route_logits: x
-// was complete before the kdtree::moe_route launched just before this call): the shared-expert
-// blocks run whole without the programmatic-launch wait -- x read through L2, act_s written, the
-// block gone before moe_route ends.  act_s is new memory allocated while the caller held
-// moe_route's logits (its only non-weight input), so it cannot be memory moe_route still reads.
-// The routed blocks copy x before the wait too.  A template rather than a runtime flag: at the
-// 48-register cap a flag made ptxas spill the routed path.
-// The shared-expert blocks stay the grid's last rows, so that each of the K2 TP-8 rank's 128
-// routed blocks (issue-bound: bench/RESULTS.md run 131) is dispatched to an SM of its own and the
-// 64 shared ones, done before the wait, double up with them.  Run 149 put them first (the order
-// moe_gemv's many-wave grid wants): 2.5 % slower on k2_slice, so the model leaves the hint off for
-// int4_moe (KDTREE_INT4_SHARED_EARLY=1 passes it); this order has not been timed.
-template <typename IdT, bool kShared, bool kEarly>
+// one run the same code as before it existed).
+template <typename IdT, bool kShared>
 __global__ void __launch_bounds__(kThreads, KD_INT4_DECODE_MIN_BLOCKS)
 int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q, const bf16* __restrict__ w13s,
                       const IdT* __restrict__ ids, const int32_t* __restrict__ emap, int num_global, int E, int H,
@@ -216,7 +203,6 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
   __shared__ float red[kWarps][32];             // per warp: 16 gate sums, 16 up sums
   __shared__ float part[32];                    // this block's sums (read by cluster rank 0)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  static_assert(kShared || !kEarly, "kEarly is about shared-expert blocks");
   const int tp = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
 #ifdef KDTREE_TRACE
   uint64_t* tr = split == 0 ? trace : nullptr;  // stamps by (x, y) only: the first split's blocks
@@ -236,7 +222,7 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     // Before the wait (the weights depend on no routing): the row's first kShBatch chunks per lane
     // copied into the warp's slots of the (here unused) ring -- no registers held across the wait,
     // where 4 uint4 of them made ptxas spill in-flight loads at the 48-register cap -- the rest
-    // into L2.  After it (kEarly: without it), x's copies (one round trip for all of them).
+    // into L2.  After it, x's copies (one round trip for all of them).
     uint4* first = reinterpret_cast<uint4*>(smem) + warp * 32 * kShBatch;
     static_assert(kWarps * 32 * kShBatch * 16 <= kWarps * kUpStages * 2 * (kTileBytes + kScaleBytes),
                   "the first batches fit in the ring");
@@ -245,12 +231,10 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
       if (mine && lane + 32 * b < 8 * (c1 - c0)) cp_async16(first + lane + 32 * b, row + lane + 32 * b);
     if (mine) l2_prefetch_range(row + 32 * kShBatch, (int64_t(8) * (c1 - c0) - 32 * kShBatch) * 16, lane);
     KD_TRACE(tr, 1);
-    if (!kEarly) {
-      pdl_wait();  // x comes from an earlier kernel
-      KD_TRACE(tr, 2);
-      pdl_launch_dependents();
-    }
-    copy_x(x, tok, H, c0, c1, s_x);  // kEarly: x is complete (two or more kernels back), read through L2
+    pdl_wait();  // x comes from an earlier kernel
+    KD_TRACE(tr, 2);
+    pdl_launch_dependents();
+    copy_x(x, tok, H, c0, c1, s_x);
     cp_async_wait<0>();
     __syncthreads();
     KD_TRACE(tr, 3);
@@ -263,14 +247,12 @@ int4_decode_up_kernel(const bf16* __restrict__ x, const uint4* __restrict__ w13q
     return;
   }
   KD_TRACE(tr, 1);
-  // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
-  // memory queues: x does not depend on the expert, and every tile needs it.  kEarly: before the
-  // wait (x is complete, read through L2).
-  if (kEarly) copy_x(x, slot / topk, H, c0, c1, s_x);
-  pdl_wait();  // the routing (and x without kEarly) come from earlier kernels
+  pdl_wait();  // the routing and x come from earlier kernels
   KD_TRACE(tr, 2);
   pdl_launch_dependents();
-  if (!kEarly) copy_x(x, slot / topk, H, c0, c1, s_x);
+  // x's copies first (copy group 0), ahead of the routing's load and of the weight copies in the
+  // memory queues: x does not depend on the expert, and every tile needs it.
+  copy_x(x, slot / topk, H, c0, c1, s_x);
   const int n = c1 - c0 > warp ? (c1 - c0 - warp + kWarps - 1) / kWarps : 0;  // this warp's tiles
   const int e = local_expert_l2(ids, slot, emap, num_global, E);
   char* ring = smem + warp * kUpStages * kPair;
@@ -475,9 +457,7 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
   const int KC = H / 64, per_split = (KC + splits - 1) / splits;
   // shared-expert blocks: ns rows of I / 16 blocks per token, kShRows gate and up rows each
   const int Is = int(a.extra.Is), sh_rows = kShRows * (I / 16), ns = (Is + sh_rows - 1) / sh_rows;
-  const auto up = Is == 0                ? &int4_decode_up_kernel<IdT, false, false>
-                  : a.extra.shared_early ? &int4_decode_up_kernel<IdT, true, true>
-                                         : &int4_decode_up_kernel<IdT, true, false>;
+  const auto up = Is > 0 ? &int4_decode_up_kernel<IdT, true> : &int4_decode_up_kernel<IdT, false>;
   const size_t up_smem =
       size_t(kWarps) * up_stages(up) * 2 * (kTileBytes + kScaleBytes) + size_t(per_split) * 128;
   allow_smem(up, up_smem);

@@ -24,10 +24,6 @@ struct Int4DecodeExtra {
   int64_t Is = 0;
   __nv_bfloat16* act_s = nullptr;
   const __nv_bfloat16* residual = nullptr;
-  // the caller's route_logits (with a shared expert): x was complete before the kdtree::moe_route
-  // launched just before this call; the shared expert's gate/up blocks then run whole before the
-  // wait (moe_decode.cu)
-  bool shared_early = false;
 };
 
 struct Int4DecodeArgs {

@@ -39,8 +39,8 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
   pdl_wait();  // programmatic dependent launch (pdl.cuh): the logits come from the previous kernel
   KD_TRACE(trace, 2);
   // Only after the wait: everything before this launch is then complete when the next kernel starts,
-  // which the route_logits hint of kdtree::moe_gemv / int4_moe relies on (their shared expert's
-  // blocks read x without waiting).
+  // which the route_logits hint of kdtree::moe_gemv relies on (its shared expert's blocks read x
+  // without waiting).
   pdl_launch_dependents();
   route_select(e < E ? logits[int64_t(t) * E + e] : 0.f, b, E, k, n_group, topk_group, renormalize, scaling,
                ids + int64_t(t) * k, weights + int64_t(t) * k, sm);

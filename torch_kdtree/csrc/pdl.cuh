@@ -8,7 +8,7 @@
 //     anything (an output may reuse memory the predecessor still reads); a block exits without
 //     waiting only when other blocks of its grid do wait, so a grid never completes before its
 //     predecessor has: int4_moe's unused expert blocks (nothing to do), and the shared-expert
-//     blocks of moe_gemv / int4_moe given route_logits, which read only x (complete two kernels
+//     blocks of moe_gemv given route_logits, which read only x (complete two kernels
 //     back: the caller's promise) and write only memory the op allocated while holding the
 //     predecessor's (moe_route's) one non-weight input;
 //   - pdl_launch_dependents() only after pdl_wait() (or anywhere in a kernel launched without

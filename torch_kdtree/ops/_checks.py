@@ -103,7 +103,7 @@ def check_shared_expert(op: str, x: torch.Tensor, shared_gate, shared_up, shared
 
 
 def check_route_logits(op: str, route_logits, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    """The optional ``route_logits`` of ``moe_gemv`` / ``int4_moe`` (a launch-order hint): the fp32
+    """The optional ``route_logits`` of ``moe_gemv`` (a launch-order hint): the fp32
     logits [T, E] that ``kdtree::moe_route`` chose ``topk_ids`` from, on x's device."""
     if route_logits is None:
         return

@@ -35,8 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import (check_route_logits, check_routing, check_same_device, check_shared_expert, check_tensor,
-                      value_checks_active)
+from ._checks import check_routing, check_same_device, check_shared_expert, check_tensor, value_checks_active
 
 GROUP_SIZES = (32, 64, 128)
 BLOCK_SIZES = (8, 16, 32, 64)  # token rows per expert block (the n side of the swapped GEMM)
@@ -393,19 +392,16 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
                        topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], group_size: int,
                        block_size: int = 8, k_splits: int = 1, shared_gate: Optional[torch.Tensor] = None,
                        shared_up: Optional[torch.Tensor] = None, shared_down: Optional[torch.Tensor] = None,
-                       residual: Optional[torch.Tensor] = None,
-                       route_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::int4_moe``: per used expert, dequantise
     to float32, gate/up matmuls, SiLU(gate) * up, down matmul, scale by the router weight; then
     sum the top-k terms in order j = 0..k-1 in float32 [plus the shared expert's
     ``down(SiLU(gate x) * up x)`` in float32] and round to x's dtype [then add the residual and
     round again].  Ids that are out of range or map to -1 contribute nothing (eager calls reject
-    out-of-range ids first).  ``route_logits`` is a launch-order hint of the CUDA kernel (only
-    checked here)."""
+    out-of-range ids first)."""
     _check_moe(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
                block_size, k_splits)
     check_shared_expert("int4_moe", x, shared_gate, shared_up, shared_down, residual)
-    check_route_logits("int4_moe", route_logits, x, topk_ids)
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w13_qweight.shape[0]
@@ -469,7 +465,7 @@ def _plan_for(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor) 
 def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
              expert_map: Optional[torch.Tensor] = None,
              shared: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-             residual: Optional[torch.Tensor] = None, route_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed-expert MLP with INT4 weights: out[t] = sum_j topk_weights[t, j] *
     down_e(SiLU(gate_e(x[t])) * up_e(x[t])) with e = topk_ids[t, j].
 
@@ -486,11 +482,6 @@ def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, t
             decode path) compute it inside their launches.
         residual: optional [T, H] in x's dtype, added after rounding: ``residual + out``, rounded
             again (the decoder layer's residual add).
-        route_logits: a launch-order hint (as ``moe_gemv``'s, which documents the promise): the
-            fp32 logits [T, E] from which the ``kdtree::moe_route`` launched just before this op
-            chose ``topk_ids``, passed only when x was complete before that moe_route ran.  The CUDA
-            decode path then runs the shared expert's gate/up blocks whole before its
-            programmatic-launch wait and the routed blocks read x before it; the same bits.
     Sum over j in a fixed order, so results are deterministic.  Allocates its workspace; use
     :func:`int4_moe_out` with a caller-owned workspace on the hot path.
     """
@@ -501,9 +492,8 @@ def int4_moe(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tensor, t
         raise ValueError("int4_moe: shared must be a (gate, up, down) tuple of tensors")
     sg, su, sd = shared if shared is not None else (None, None, None)
     check_shared_expert("int4_moe", x, sg, su, sd, residual)
-    check_route_logits("int4_moe", route_logits, x, topk_ids)
     return torch.ops.kdtree.int4_moe(x, *weights[:4], topk_ids, topk_weights, expert_map, weights.group_size,
-                                     plan.block_size, plan.k_splits, sg, su, sd, residual, route_logits)
+                                     plan.block_size, plan.k_splits, sg, su, sd, residual)
 
 
 def int4_moe_workspace(num_tokens: int, topk: int, weights: Int4MoEWeights,
@@ -547,8 +537,7 @@ def _(packed, scale, group_size):
 
 @torch.library.register_fake("kdtree::int4_moe")
 def _(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
-      block_size, k_splits, shared_gate=None, shared_up=None, shared_down=None, residual=None,
-      route_logits=None):
+      block_size, k_splits, shared_gate=None, shared_up=None, shared_down=None, residual=None):
     return x.new_empty(x.shape)
 
 
