@@ -581,6 +581,29 @@ def test_cuda_int4_ddtree_equals_autoregressive(kind, budget):
 
 
 @requires_mla_cuda
+@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
+                    or not hasattr(torch.ops.aten.mm, "dtype"), reason="needs the int4_moe CUDA kernel and aten::mm.dtype")
+def test_cuda_router_mm_ddtree_equals_autoregressive(monkeypatch):
+    """KDTREE_ROUTER_MM (the tree verification's router logits from one fp32-output GEMM of the bf16
+    values): on an INT4 target with compiled steps in CUDA graphs, DDTree output still equals
+    autoregressive output up to bf16 ties, and the verification's routers did take that GEMM."""
+    import torch_kdtree.models.kimi_k2.moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_ROUTER_MM", True)
+    fits = []
+    real = moe_mod.KimiK2Router.mm_fits
+    monkeypatch.setattr(moe_mod.KimiK2Router, "mm_fits", lambda self, x: fits.append(real(self, x)) or fits[-1])
+    model = int4_model(96, **GPU_HEADS).to("cuda", torch.bfloat16)
+    ids, mask = prompts(3, 96)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter("oracle_80", model, 97, 6)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, compile_step=True)
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, drafter=drafter,
+                        tree_budget=16, compile_step=True)
+    assert any(fits), "no router took the fp32-output GEMM"
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+
+
+@requires_mla_cuda
 def test_cuda_compiled_step_in_graphs_equals_autoregressive():
     model = gpu_target(98)
     ids, mask = prompts(2, 98)
