@@ -581,17 +581,14 @@ def test_cuda_int4_ddtree_equals_autoregressive(kind, budget):
 
 
 @requires_mla_cuda
-@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA")
-                    or not hasattr(torch.ops.aten.mm, "dtype"), reason="needs the int4_moe CUDA kernel and aten::mm.dtype")
-def test_cuda_router_mm_ddtree_equals_autoregressive(monkeypatch):
-    """KDTREE_ROUTER_MM (the tree verification's router logits from one fp32-output GEMM of the bf16
-    values): on an INT4 target with compiled steps in CUDA graphs, DDTree output still equals
-    autoregressive output up to bf16 ties, and the verification's routers did take that GEMM."""
-    import torch_kdtree.models.kimi_k2.moe as moe_mod
-    monkeypatch.setattr(moe_mod, "_ROUTER_MM", True)
-    fits = []
-    real = moe_mod.KimiK2Router.mm_fits
-    monkeypatch.setattr(moe_mod.KimiK2Router, "mm_fits", lambda self, x: fits.append(real(self, x)) or fits[-1])
+@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::int4_moe", "CUDA"),
+                    reason="needs the int4_moe CUDA kernel")
+def test_cuda_int4_compiled_ddtree_equals_autoregressive():
+    """An INT4 target with compiled steps in CUDA graphs (the autoregressive steps' routers through
+    inductor's multiply + sum, the verification's through a GEMM), an oracle drafter at budget 16:
+    DDTree output equals autoregressive output up to bf16 ties.  With the verification's router
+    logits from an fp32-output bf16 GEMM instead (tried in bench/RESULTS.md run 154) this case
+    diverged: request 1 at token 17, a logit gap of 1.59 against a bf16 ulp of 0.031."""
     model = int4_model(96, **GPU_HEADS).to("cuda", torch.bfloat16)
     ids, mask = prompts(3, 96)
     ids, mask = ids.cuda(), mask.cuda()
@@ -599,7 +596,6 @@ def test_cuda_router_mm_ddtree_equals_autoregressive(monkeypatch):
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, compile_step=True)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None, drafter=drafter,
                         tree_budget=16, compile_step=True)
-    assert any(fits), "no router took the fp32-output GEMM"
     assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
 
 

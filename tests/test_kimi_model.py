@@ -1027,58 +1027,6 @@ def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
     torch.testing.assert_close(w, want_w)
 
 
-def test_router_mm_fits_only_16_bit_cuda_inputs_with_the_switch(monkeypatch):
-    """KimiK2Router.mm_fits (the fp32-output GEMM for logits of passes too large for the multiply +
-    sum): only with KDTREE_ROUTER_MM, on CUDA, for 2-D bf16 / fp16 x of the weight's dtype."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    router = moe.KimiK2Router(KimiK2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4))
-    x = torch.randn(17, 32)
-    monkeypatch.setattr(moe, "_HAS_MM_OUT_DTYPE", True)
-    monkeypatch.setattr(moe, "_ROUTER_MM", True)
-    assert not router.mm_fits(x)  # not on CUDA
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    assert not router.mm_fits(x)  # fp32
-    for dtype in (torch.bfloat16, torch.float16):
-        router.to(dtype)
-        assert router.mm_fits(x.to(dtype))
-        assert not router.mm_fits(x.to(dtype)[None])  # 3-D
-        assert not router.mm_fits(x.to(torch.bfloat16 if dtype == torch.float16 else torch.float16))
-    monkeypatch.setattr(moe, "_ROUTER_MM", False)
-    assert not router.mm_fits(x.to(torch.float16))
-
-
-@pytest.mark.skipif(not HAS_CUDA or not hasattr(torch.ops.aten.mm, "dtype"), reason="needs CUDA and aten::mm.dtype")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_router_mm_logits_match_the_fp32_product(compiled, dtype, monkeypatch):
-    """With KDTREE_ROUTER_MM the router's logits of a verify-sized pass (17 rows of K2's hidden size,
-    384 experts) come from one fp32-output GEMM of the 16-bit values: equal to the fp32 product of
-    the upcast values up to the order of the fp32 sums, eager and compiled (fullgraph, inductor)."""
-    from torch_kdtree.models.kimi_k2 import moe
-
-    monkeypatch.setattr(moe, "_ROUTER_MM", True)
-    router = moe.KimiK2Router(KimiK2Config(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=8))
-    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,))))
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(384, 7168, generator=g, device="cuda") / 84.7)
-    router.to("cuda", dtype)
-    x = torch.randn(17, 7168, generator=g, device="cuda").to(dtype)
-    assert router.mm_fits(x)
-    want = (x.double() @ router.weight.double().T).float()  # the exact products, summed in fp64
-    torch._dynamo.reset()
-    try:
-        fn = torch.compile(router.logits, fullgraph=True) if compiled else router.logits
-        got = fn(x)
-    finally:
-        torch._dynamo.reset()
-    assert got.dtype == torch.float32 and got.shape == (17, 384)
-    bound = (x.float().abs() @ router.weight.float().abs().T) * 2e-6  # fp32 summation error, 7168 terms
-    assert bool(((got - want).abs() <= bound + 1e-30).all()), float(((got - want).abs() / bound).max())
-    fp32 = torch.nn.functional.linear(x.float(), router.weight.float())
-    assert bool(((fp32 - want).abs() <= bound + 1e-30).all())  # the oracle's bound holds for F.linear too
-
-
 @pytest.mark.parametrize("T,k,want_op", [(1, 8, True), (4, 8, True), (5, 8, False), (17, 8, False)])
 def test_bf16_decode_experts_use_moe_gemv(T, k, want_op, monkeypatch):
     """On CUDA (forced here) bf16 experts with at most 32 token-slots go to kdtree::moe_gemv, eager
