@@ -22,7 +22,9 @@
 //      into L2), then act_s[t, r] = bf16(silu(g) · u) through the same cluster reduction.
 //      Both kinds of block copy their slice of x into shared memory right after the wait (cp.async),
 //      the routed ones before they read the routing and issue their weight copies, so that x is
-//      not queued behind them.
+//      not queued behind them.  Tried and removed (bench/RESULTS.md runs 149, 151): with the router's
+//      logits as a hint (moe_gemv's route_logits), the shared-expert blocks running whole before the
+//      wait, first or last in the grid -- 2.5 % and 0.4 % slower k2_slice steps.
 //   2. down: grid (H / 16, T), 8 warps.  Block = one 16-channel tile of out for one token; its
 //      k · I / 64 (slot j, k64 tile c) items, warp w taking items w, w + 8, ...; each item's
 //      fp32 partial times the router weight is added to the warp's sum, the warps' sums in warp
