@@ -523,10 +523,72 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor):
     return None if diff.numel() == 0 else tuple(diff[0].tolist())
 
 
+def routing_margins(model, prefix: torch.Tensor, start: int) -> list[tuple[float, int, int]]:
+    """Diagnostics for a divergence: a prefill pass over ``prefix`` [L] recording, per MoE layer,
+    the smallest gap between the k-th and (k + 1)-th largest biased router scores (sigmoid(logit) +
+    e_score_correction_bias, group limits ignored) over positions ``start`` .. L - 1, as
+    (gap, layer, position), smallest first.  A gap near fp32 rounding says an expert choice there
+    was a near-tie, which a tree pass and a single-token pass may break differently."""
+    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
+
+    found = []
+    real = KimiK2Router.route
+
+    def recording(self, logits):
+        rows = logits[start:].float()
+        if rows.shape[0]:
+            top = (rows.sigmoid() + self.e_score_correction_bias.float()).topk(self.top_k + 1, dim=-1).values
+            gaps = top[:, -2] - top[:, -1]
+            i = int(gaps.argmin())
+            found.append((float(gaps[i]), len(found), start + i))
+        else:
+            found.append((float("inf"), len(found), -1))
+        return real(self, logits)
+
+    KimiK2Router.route = recording
+    try:
+        with torch.no_grad():
+            model(prefix[None])
+    finally:
+        KimiK2Router.route = real
+    return sorted(found)
+
+
+def test_routing_margins_names_each_moe_layer_from_its_router_scores():
+    """routing_margins (the sacred tests' failure diagnostics): one entry per MoE layer, the gap the
+    float64 scores of that layer's input give at the positions asked for, and the router restored."""
+    from torch_kdtree.models.kimi_k2.moe import KimiK2MoE, KimiK2Router
+
+    model = target(21, num_hidden_layers=3)
+    prefix = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(21))
+    blocks = [m for m in model.modules() if isinstance(m, KimiK2MoE)]
+    inputs = []
+    hooks = [b.register_forward_pre_hook(lambda mod, args, kw: inputs.append(args[0].reshape(-1, args[0].shape[-1])),
+                                         with_kwargs=True) for b in blocks]
+    real = KimiK2Router.route
+    try:
+        found = routing_margins(model, prefix, 8)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert KimiK2Router.route is real
+    assert sorted(layer for _, layer, _ in found) == list(range(len(blocks))) and len(blocks) >= 2
+    assert found == sorted(found)
+    for gap, layer, pos in found:
+        gate = blocks[layer].gate
+        x = inputs[layer][8:].double()
+        scores = (x @ gate.weight.double().T).sigmoid() + gate.e_score_correction_bias.double()
+        top = scores.topk(gate.top_k + 1, dim=-1).values
+        want = top[:, -2] - top[:, -1]
+        assert 8 <= pos < 12 and abs(gap - want.min().item()) <= 1e-5 * max(1.0, scores.abs().max().item())
+        assert int(want.argmin()) + 8 == pos or abs(want[pos - 8].item() - want.min().item()) <= 1e-5
+
+
 def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
     """got == want token for token, except that a request may diverge where, at the first
     differing position, the two tokens' logits (bf16 prefill of the common prefix) tie within
-    4 bf16 ulps: tree and single-token passes round differently in bf16.  Prints each case."""
+    4 bf16 ulps: tree and single-token passes round differently in bf16.  Prints each case; a
+    failure also names the nearest expert-choice tie among the generated positions (routing_margins)."""
     T = ids.shape[1]
     for r in range(ids.shape[0]):
         where = _first_difference(got[r], want[r])
@@ -538,7 +600,10 @@ def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
             logits = model(prefix[None]).logits[0, -1].float()
         gap = (logits[want[r, t]] - logits[got[r, t]]).abs().item()
         ulp = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
-        assert gap <= 4 * ulp, f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp})"
+        if gap > 4 * ulp:
+            near = routing_margins(model, prefix, int(mask[r].sum()))[:3]
+            raise AssertionError(f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp}); "
+                                 f"nearest expert-choice ties (gap, MoE layer, position): {near}")
         print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
 
 
