@@ -736,6 +736,33 @@ def test_rank_topk_equals_topk_with_lower_index_first_on_ties():
     assert rank_topk(ties, 5).tolist() == [[1, 3, 0, 2, 5]]
 
 
+def test_moe_block_calls_a_hooked_router_as_a_module():
+    """KimiK2MoE routes through its router's logits and route methods (to pass the logits on as
+    moe_gemv's hint), but a router that a wrapper hooks (tensor parallelism) is called as a module,
+    so its hooks run; the output is the same either way."""
+    from torch_kdtree.models.kimi_k2 import moe
+
+    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
+                                                num_experts_per_tok=4))
+    torch.manual_seed(31)
+    block = moe.KimiK2MoE(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(3, 64)
+    want = block(x)
+    seen = []
+    pre = block.gate.register_forward_pre_hook(lambda m, a: seen.append("pre"))
+    post = block.gate.register_forward_hook(lambda m, a, out: seen.append(len(out)))
+    try:
+        got = block(x)
+    finally:
+        pre.remove()
+        post.remove()
+    assert seen == ["pre", 2]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("T,E,want_rank", [(17, 64, True), (1024, 64, True), (1025, 64, False), (28, 384, True),
                                            (29, 384, False)])
 def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monkeypatch):

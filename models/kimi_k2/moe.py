@@ -428,10 +428,15 @@ class KimiK2MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         res = residual.reshape(-1, shape[-1]) if residual is not None else None
-        if routing is None:
-            logits = self.gate.logits(x)  # read x: x is complete before moe_route runs
-            topk_ids, topk_weights = self.gate.route(logits)
-            route_logits = logits if self.gate._use_route_op(logits) else None
+        gate = self.gate
+        if routing is None and (gate._forward_hooks or gate._forward_pre_hooks):
+            # a wrapper hooks the router (tensor parallelism): call it as a module, without the hint
+            topk_ids, topk_weights = gate(x)
+            route_logits = None
+        elif routing is None:
+            logits = gate.logits(x)  # read x: x is complete before moe_route runs
+            topk_ids, topk_weights = gate.route(logits)
+            route_logits = logits if gate._use_route_op(logits) else None
         else:
             topk_ids, topk_weights = routing
         shared = self.shared_experts
