@@ -214,6 +214,22 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
+def test_inductor_compiled_ddtree_on_cpu_equals_autoregressive():
+    """generate(compile_step=True) on CPU: the steps through inductor's C++ backend (an INT4 target,
+    the oracle drafter, whose look-ahead once tripped that backend: pytorch/pytorch#196570) give
+    the eager autoregressive tokens exactly (fp32)."""
+    model = int4_target(96)
+    ids, mask = prompts(3, 96)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    try:
+        torch._dynamo.reset()
+        dd = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None,
+                            drafter=make_drafter("oracle_80", model, 97, 6), tree_budget=8, compile_step=True)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(dd, ar)
+
+
 def test_compile_step_forms_reach_torch_compile(monkeypatch):
     """compile_step: True -> inductor, a name -> that backend, a dict -> inductor with those
     options ("combo" / "tuned" name option sets); generate's default "auto" compiles only CUDA

@@ -158,12 +158,16 @@ class OracleDrafter(nn.Module):
             raise RuntimeError("OracleDrafter: attach(target, cache) first (the generation session does)")
         target, cache = self._target[0], self._cache
         x = root_tokens
+        tokens = []
         for depth in range(self._block_size - 1):
             logits = target(x[:, None], cache.lengths.long()[:, None], cache, self._ones).logits[:, 0]
             x = logits.argmax(-1)
-            self.continuation[:, depth] = x
+            tokens.append(x)
             cache.lengths.add_(1)
         cache.lengths.sub_(self._block_size - 1)
+        # one copy, not a column write per depth: inductor's C++ backend fails to compile those
+        # (KeyError 'bufN' in its outer-loop fusion, pytorch/pytorch#196570, torch 2.14)
+        self.continuation.copy_(torch.stack(tokens, dim=1))
 
     def forward(self, root_tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, L, V] of the oracle's marginals around :attr:`continuation`
