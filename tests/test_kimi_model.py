@@ -565,9 +565,16 @@ def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
         return grouped(self, *args)
 
     monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
+    from torch_kdtree.models.kimi_k2 import moe
+    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
+    fits = []
+    mm_fits = KimiK2Router.mm_fits
+    monkeypatch.setattr(KimiK2Router, "mm_fits", lambda self, x: fits.append(mm_fits(self, x)) or fits[-1])
     got = gpu(ids.cuda()).logits
     assert rel_err(got.float().cpu(), want) <= 5e-2
     assert grouped_calls == 2  # both MoE layers took the grouped_mm path
+    if moe._ROUTER_MM and hasattr(torch.ops.aten.mm, "dtype"):  # and their routers the fp32-output GEMM (KDTREE_ROUTER_MM, default)
+        assert fits == [True, True]
     cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
     paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
     assert rel_err(paged.float(), got.float()) <= 2e-2
@@ -1052,6 +1059,59 @@ def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
     assert calls == [(8, 4, 2, True, 2.5)]
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w)
+
+
+def test_router_mm_never_fits_cpu_inputs(monkeypatch):
+    """KimiK2Router.mm_fits (the fp32-output GEMM for logits of passes too large for the multiply +
+    sum): never for CPU x, even where a test pretends to be on a GPU (gemv._on_gpu), since
+    aten::mm.dtype has no CPU kernel in torch 2.11.  The CUDA side of the rule: the test below."""
+    from torch_kdtree.models.kimi_k2 import gemv, moe
+
+    router = moe.KimiK2Router(KimiK2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4))
+    monkeypatch.setattr(moe, "_HAS_MM_OUT_DTYPE", True)
+    monkeypatch.setattr(moe, "_ROUTER_MM", True)
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        router.to(dtype)
+        x = torch.randn(17, 32).to(dtype)
+        assert not router.mm_fits(x)
+        assert router.logits(x).dtype == torch.float32  # F.linear on fp32 copies
+
+
+@pytest.mark.skipif(not HAS_CUDA or not hasattr(torch.ops.aten.mm, "dtype"), reason="needs CUDA and aten::mm.dtype")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_router_mm_logits_match_the_fp32_product(compiled, dtype, monkeypatch):
+    """With KDTREE_ROUTER_MM the router's logits of a verify-sized pass (17 rows of K2's hidden size,
+    384 experts) come from one fp32-output GEMM of the 16-bit values: equal to the fp32 product of
+    the upcast values up to the order of the fp32 sums, eager and compiled (fullgraph, inductor)."""
+    from torch_kdtree.models.kimi_k2 import moe
+
+    monkeypatch.setattr(moe, "_ROUTER_MM", True)
+    router = moe.KimiK2Router(KimiK2Config(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=8))
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,))))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(384, 7168, generator=g, device="cuda") / 84.7)
+    router.to("cuda", dtype)
+    x = torch.randn(17, 7168, generator=g, device="cuda").to(dtype)
+    assert router.mm_fits(x)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not router.mm_fits(x[None]) and not router.mm_fits(x.to(other)) and not router.mm_fits(x.float())
+    monkeypatch.setattr(moe, "_ROUTER_MM", False)
+    assert not router.mm_fits(x)
+    monkeypatch.setattr(moe, "_ROUTER_MM", True)
+    want = (x.double() @ router.weight.double().T).float()  # the exact products, summed in fp64
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(router.logits, fullgraph=True) if compiled else router.logits
+        got = fn(x)
+    finally:
+        torch._dynamo.reset()
+    assert got.dtype == torch.float32 and got.shape == (17, 384)
+    bound = (x.float().abs() @ router.weight.float().abs().T) * 2e-6  # fp32 summation error, 7168 terms
+    assert bool(((got - want).abs() <= bound + 1e-30).all()), float(((got - want).abs() / bound).max())
+    fp32 = torch.nn.functional.linear(x.float(), router.weight.float())
+    assert bool(((fp32 - want).abs() <= bound + 1e-30).all())  # the oracle's bound holds for F.linear too
 
 
 @pytest.mark.parametrize("T,k,want_op", [(1, 8, True), (4, 8, True), (5, 8, False), (17, 8, False)])

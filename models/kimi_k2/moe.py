@@ -64,6 +64,17 @@ _ROUTER_FUSED = os.environ.get("KDTREE_ROUTER_FUSED", "0") == "1"
 # in the same launch, went 0.3850 -> 0.3925, so INT4 blocks keep inductor's norm + router + shared
 # kernels.  KDTREE_ROUTER_GEMV=0 turns it off (read at import).
 _ROUTER_GEMV = os.environ.get("KDTREE_ROUTER_GEMV", "1") != "0"
+# Router logits of passes too large for the multiply + sum (use_gemv: tree verification, prefill)
+# on CUDA with bf16 / fp16 x and weight: one cuBLAS GEMM with fp32 output (aten::mm.dtype: tensor
+# cores, fp32 accumulation of the exact products of the 16-bit values) instead of F.linear on
+# upcast copies, whose fp32 GEMM ran on CUDA cores in a few tiles: 21.6 + 5.4 us (split-K reduce)
+# per MoE layer of k2_slice's B = 16 verification step on the H200 (bench/RESULTS.md run 152); the
+# step went 1.263 -> 1.182 ms with it (run 154).  The same products, summed in another order (the
+# single-token steps sum in a third order already: expert choices near a tie may go either way,
+# see tests/test_generate.py, assert_equal_up_to_bf16_ties).  KDTREE_ROUTER_MM=0 turns it off
+# (read at import).
+_ROUTER_MM = os.environ.get("KDTREE_ROUTER_MM", "1") != "0"
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 # INT4 experts on CUDA, decode-sized passes (the shapes of int4_moe's decode path):
 # the shared expert and the residual add inside kdtree::int4_moe's two launches
 # (KimiK2MoE._int4_shared_fits).  On the H200 (RESULTS.md runs 92-93) k2_slice went 0.3751 -> 0.3622
@@ -164,7 +175,19 @@ class KimiK2Router(FixedDtype):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's fp32 logits [T, E] of x [T, H]."""
-        return matvec(x, self.weight) if use_gemv(x, self.weight) else F.linear(x.float(), self.weight.float())
+        if use_gemv(x, self.weight):
+            return matvec(x, self.weight)
+        if self.mm_fits(x):
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
+
+    def mm_fits(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`logits` takes one fp32-output GEMM of the 16-bit x and weight (_ROUTER_MM).
+        Only for x really on CUDA (aten::mm.dtype has no CPU kernel in torch 2.11)."""
+        w = self.weight
+        return (_ROUTER_MM and _HAS_MM_OUT_DTYPE and x.is_cuda and x.dim() == 2
+                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+                and not hasattr(w, "placements"))
 
     def _use_route_op(self, logits: torch.Tensor) -> bool:
         return gemv._on_gpu(logits) and self.route_op_fits()
