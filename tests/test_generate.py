@@ -761,8 +761,9 @@ def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
                     reason="needs the int4_moe CUDA kernel")
 @pytest.mark.parametrize("kind,budget,seed,new_tokens,compile_step", [
     ("oracle_80", 8, 92, 40, "auto"), ("random_dflash", 16, 92, 40, "auto"),
-    # bench/RESULTS.md run 154: with the verification's router logits from an fp32-output bf16 GEMM
-    # (since reverted) this case diverged, request 1 at token 17 with a logit gap of 1.59 (bf16 ulp 0.031)
+    # bench/RESULTS.md runs 154-158: here requests 1 and 2 can diverge (tokens 17 and 12, logit gaps
+    # 1.59 and 2.25) at expert-choice ties (score gaps 0.003 and 0.005), whichever GEMM computes the
+    # verification's router logits: the second allowance of assert_equal_up_to_bf16_ties
     ("oracle_80", 16, 96, 32, True)])
 def test_cuda_int4_ddtree_equals_autoregressive(kind, budget, seed, new_tokens, compile_step):
     """An INT4 target in bf16 with CUDA graphs: the autoregressive steps' MoE blocks take
