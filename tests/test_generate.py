@@ -539,34 +539,46 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor):
     return None if diff.numel() == 0 else tuple(diff[0].tolist())
 
 
+def _prefill_routed(model, prefix: torch.Tensor, hook) -> torch.Tensor:
+    """The fp32 logits of a prefill of ``prefix`` [L] whose routers' choices go through
+    ``hook(layer, router, logits) -> logits`` first (layer: the MoE layer's index in call order;
+    logits: that router's fp32 logits [L, E])."""
+    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
+
+    real = KimiK2Router.route
+    calls = iter(range(len(model.model.layers)))
+
+    def hooked(self, logits):
+        return real(self, hook(next(calls), self, logits))
+
+    KimiK2Router.route = hooked
+    try:
+        with torch.no_grad():
+            return model(prefix[None]).logits[0].float()
+    finally:
+        KimiK2Router.route = real
+
+
 def routing_margins(model, prefix: torch.Tensor, start: int) -> list[tuple[float, int, int]]:
     """Diagnostics for a divergence: a prefill pass over ``prefix`` [L] recording, per MoE layer,
     the smallest gap between the k-th and (k + 1)-th largest biased router scores (sigmoid(logit) +
     e_score_correction_bias, group limits ignored) over positions ``start`` .. L - 1, as
     (gap, layer, position), smallest first.  A gap near fp32 rounding says an expert choice there
     was a near-tie, which a tree pass and a single-token pass may break differently."""
-    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
-
     found = []
-    real = KimiK2Router.route
 
-    def recording(self, logits):
+    def recording(layer, router, logits):
         rows = logits[start:].float()
         if rows.shape[0]:
-            top = (rows.sigmoid() + self.e_score_correction_bias.float()).topk(self.top_k + 1, dim=-1).values
+            top = (rows.sigmoid() + router.e_score_correction_bias.float()).topk(router.top_k + 1, dim=-1).values
             gaps = top[:, -2] - top[:, -1]
             i = int(gaps.argmin())
-            found.append((float(gaps[i]), len(found), start + i))
+            found.append((float(gaps[i]), layer, start + i))
         else:
-            found.append((float("inf"), len(found), -1))
-        return real(self, logits)
+            found.append((float("inf"), layer, -1))
+        return logits
 
-    KimiK2Router.route = recording
-    try:
-        with torch.no_grad():
-            model(prefix[None])
-    finally:
-        KimiK2Router.route = real
+    _prefill_routed(model, prefix, recording)
     return sorted(found)
 
 
@@ -608,26 +620,16 @@ def _last_position(model, prefix: torch.Tensor, knock: tuple[int, int] | None = 
     order) that position's fp32 router logits and the router.  ``knock`` = (layer, expert): that
     layer's router logit of ``expert`` at the last position is set to -1e4 before the choice, so
     the next expert in line takes its place."""
-    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
-
     rows = []
-    real = KimiK2Router.route
 
-    def recording(self, logits):
-        layer = len(rows)
-        rows.append((logits[-1].float().clone(), self))
+    def recording(layer, router, logits):
+        rows.append((logits[-1].float().clone(), router))
         if knock is not None and knock[0] == layer:
             logits = logits.clone()
             logits[-1, knock[1]] = -1e4
-        return real(self, logits)
+        return logits
 
-    KimiK2Router.route = recording
-    try:
-        with torch.no_grad():
-            out = model(prefix[None]).logits[0, -1].float()
-    finally:
-        KimiK2Router.route = real
-    return out, rows
+    return _prefill_routed(model, prefix, recording)[-1], rows
 
 
 def expert_tie_flip(model, prefix: torch.Tensor, a: int, b: int, ulp: float) -> tuple[float, int] | None:
@@ -732,10 +734,9 @@ def test_an_expert_choice_tie_explains_a_divergence_only_when_its_other_side_giv
     for got, expected in ((neither, want), (other, neither)):
         with pytest.raises(AssertionError, match="diverges at token 0"):
             assert_equal_up_to_bf16_ties(model, ids, mask, sequence(got), sequence(expected))
-    model, prefix, want, other, _, _ = _expert_tie(31, 4 * SCORE_TIE)
+    model, prefix, want, other, _, _ = _expert_tie(31, 4 * SCORE_TIE)  # `sequence` now extends this prefix
     with pytest.raises(AssertionError, match="diverges at token 0"):
-        assert_equal_up_to_bf16_ties(model, prefix[None], mask, torch.cat([prefix, torch.tensor([other])])[None],
-                                     torch.cat([prefix, torch.tensor([want])])[None])
+        assert_equal_up_to_bf16_ties(model, prefix[None], mask, sequence(other), sequence(want))
 
 
 @requires_mla_cuda

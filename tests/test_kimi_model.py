@@ -566,15 +566,14 @@ def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
 
     monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
     from torch_kdtree.models.kimi_k2 import moe
-    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
     fits = []
-    mm_fits = KimiK2Router.mm_fits
-    monkeypatch.setattr(KimiK2Router, "mm_fits", lambda self, x: fits.append(mm_fits(self, x)) or fits[-1])
+    mm_fits = moe.KimiK2Router.mm_fits
+    monkeypatch.setattr(moe.KimiK2Router, "mm_fits", lambda self, x: fits.append(mm_fits(self, x)) or fits[-1])
     got = gpu(ids.cuda()).logits
     assert rel_err(got.float().cpu(), want) <= 5e-2
     assert grouped_calls == 2  # both MoE layers took the grouped_mm path
-    if moe._ROUTER_MM and hasattr(torch.ops.aten.mm, "dtype"):  # and their routers the fp32-output GEMM (KDTREE_ROUTER_MM, default)
-        assert fits == [True, True]
+    if moe._ROUTER_MM and hasattr(torch.ops.aten.mm, "dtype"):
+        assert fits == [True, True]  # and their routers the fp32-output GEMM (KDTREE_ROUTER_MM, default)
     cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
     paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
     assert rel_err(paged.float(), got.float()) <= 2e-2
