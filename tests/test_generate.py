@@ -654,12 +654,43 @@ def expert_tie_flip(model, prefix: torch.Tensor, a: int, b: int, ulp: float) -> 
     return None
 
 
-def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
+def decoded_logits(model, prompt: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 logits of ``prefix``'s last position [V] the way autoregressive decoding computes
+    them: ``prompt`` (a prefix of ``prefix``) prefilled into a fresh latent cache, then the rest of
+    ``prefix`` one token per pass through it (eager).  None when nothing follows the prompt (the
+    first generated token comes from the prompt's prefill)."""
+    from torch_kdtree.models.kimi_k2.cache import KimiK2Cache
+
+    P, L = len(prompt), len(prefix)
+    if L == P:
+        return None
+    cache = KimiK2Cache.for_model(model, 1, L + 1, dtype=model.dtype, device=prefix.device)
+    visible = torch.ones(1, 1, 1, dtype=torch.bool, device=prefix.device)
+    with torch.no_grad():
+        model(prompt[None], cache=cache, return_logits=False)
+        cache.advance(P)
+        for i in range(P, L):
+            out = model(prefix[None, i:i + 1], cache.lengths.long()[:, None], cache, visible)
+            cache.advance(1)
+    return out.logits[0, -1].float()
+
+
+def _ulp(logits: torch.Tensor) -> float:
+    """The bf16 ulp of the largest logit's magnitude."""
+    return 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+
+
+def assert_equal_up_to_bf16_ties(model, ids, mask, got, want, resume=None, max_resumes: int = 8):
     """got == want token for token, except that a request may diverge where its bf16 computation
-    is at a tie, which tree and single-token passes (different kernels) break differently.  At the
-    first differing position (a bf16 prefill of the common prefix):
+    is at a tie, which tree and single-token passes (different kernels) break differently.  At a
+    differing position (a bf16 prefill of the common prefix):
 
     - the two tokens' logits tie within 4 bf16 ulps; or
+    - in single-token decoding of the same prefix (decoded_logits: the autoregressive step's kind of
+      pass), both tokens lie within 4 bf16 ulps of the top logit: the kinds of pass compute a
+      position's hidden state with different roundings, which can move a near-tie by more than a
+      few ulps, or flip a near-tied expert choice (bench/RESULTS.md run 161: a 46-ulp gap in the
+      prefill was 2 ulps in decoding, whose router chose another expert); or
     - an expert choice of that position ties (expert_tie_flip): a MoE layer's k-th and (k + 1)-th
       biased router scores lie within 4 bf16 ulps, and one side of that tie makes want's token the
       argmax, the other side got's (each up to 4 ulps; either pass may be the one that the
@@ -667,29 +698,53 @@ def assert_equal_up_to_bf16_ties(model, ids, mask, got, want):
       round differently, so scores that close are a coin toss, and an expert swap moves logits far
       more than an ulp.
 
+    ``resume(prefix [L'], n) -> [n]`` (greedy autoregressive decoding of n tokens after a prompt):
+    after an accepted tie, got's later tokens are checked too, against autoregressive decoding
+    resumed from got's side of the tie (the same rules at each further divergence, up to
+    ``max_resumes`` per request).  Without it, checking stops at the first accepted tie.
+
     Prints each case; a failure names the nearest expert-choice ties among the generated
     positions (routing_margins)."""
     T = ids.shape[1]
     for r in range(ids.shape[0]):
-        where = _first_difference(got[r], want[r])
-        if where is None:
-            continue
-        t = where[0]
-        prefix = torch.cat([ids[r][mask[r].bool()], want[r, T:t]])
-        with torch.no_grad():
-            logits = model(prefix[None]).logits[0, -1].float()
-        gap = (logits[want[r, t]] - logits[got[r, t]]).abs().item()
-        ulp = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
-        if gap <= 4 * ulp:
-            print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
-            continue
-        tie = expert_tie_flip(model, prefix, int(want[r, t]), int(got[r, t]), ulp)
-        if tie is None:
-            near = routing_margins(model, prefix, int(mask[r].sum()))[:3]
-            raise AssertionError(f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp {ulp}); "
-                                 f"nearest expert-choice ties (gap, MoE layer, position): {near}")
-        print(f"request {r}: equal for {t - T} tokens, then an expert-choice tie (MoE layer {tie[1]}, score gap "
-              f"{tie[0]:.3g}; logit gap {gap:.3g}): one choice gives each token")
+        prompt = ids[r][mask[r].bool()]
+        want_r = want[r]
+        for resumed in range(max_resumes + 1):
+            where = _first_difference(got[r], want_r)
+            if where is None:
+                if resumed:
+                    print(f"request {r}: equal to the resumed decoding to the end")
+                break
+            t = where[0]
+            prefix = torch.cat([prompt, got[r, T:t]])
+            with torch.no_grad():
+                logits = model(prefix[None]).logits[0, -1].float()
+            gap = (logits[want_r[t]] - logits[got[r, t]]).abs().item()
+            ulp = _ulp(logits)
+            decoded = None if gap <= 4 * ulp else decoded_logits(model, prompt, prefix)
+            if gap <= 4 * ulp:
+                print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
+            elif decoded is not None and all(decoded[tok] >= decoded.max() - 4 * _ulp(decoded)
+                                             for tok in (want_r[t], got[r, t])):
+                print(f"request {r}: equal for {t - T} tokens, then a bf16 tie in single-token decoding (gap "
+                      f"{(decoded[want_r[t]] - decoded[got[r, t]]).abs().item():.3g}, ulp {_ulp(decoded):.3g}; "
+                      f"prefill gap {gap:.3g})")
+            else:
+                tie = expert_tie_flip(model, prefix, int(want_r[t]), int(got[r, t]), ulp)
+                if tie is None:
+                    near = routing_margins(model, prefix, int(mask[r].sum()))[:3]
+                    raise AssertionError(f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp "
+                                         f"{ulp}); nearest expert-choice ties (gap, MoE layer, position): {near}")
+                print(f"request {r}: equal for {t - T} tokens, then an expert-choice tie (MoE layer {tie[1]}, score "
+                      f"gap {tie[0]:.3g}; logit gap {gap:.3g}): one choice gives each token")
+            if resume is None or t + 1 == got.shape[1]:
+                break
+            if resumed == max_resumes:
+                print(f"request {r}: not checked after token {t - T} ({max_resumes} resumed decodings)")
+                break
+            # from here on, got's side of the tie is the history: decode on from it
+            more = resume(torch.cat([prompt, got[r, T:t + 1]]), got.shape[1] - t - 1)
+            want_r = torch.cat([got[r, :t + 1], more.to(got.device, got.dtype)])
 
 
 def _expert_tie(seed: int, gap: float):
@@ -739,6 +794,93 @@ def test_an_expert_choice_tie_explains_a_divergence_only_when_its_other_side_giv
         assert_equal_up_to_bf16_ties(model, prefix[None], mask, sequence(other), sequence(want))
 
 
+def _decoding_tie(first_seed: int):
+    """A bf16 tiny target (CPU) and a prefix [16] (its prompt: the first 6 tokens) whose last position
+    has two tokens within 4 bf16 ulps of the top in single-token decoding (decoded_logits) but more
+    than 4 ulps apart in a prefill, the prefill's argmax one of them: (model, prompt, prefix, the
+    prefill's argmax, the other)."""
+    for s in range(first_seed, first_seed + 2000):
+        model = target(s).to(torch.bfloat16)
+        prefix = torch.randint(3, 128, (16,), generator=torch.Generator().manual_seed(s))
+        with torch.no_grad():
+            pre = model(prefix[None]).logits[0, -1].float()
+        dec = decoded_logits(model, prefix[:6], prefix)
+        a, b = dec.topk(2).indices.tolist()
+        if (dec[b] >= dec[a] - 4 * _ulp(dec) and abs(pre[a] - pre[b]) > 4 * _ulp(pre)
+                and int(pre.argmax()) in (a, b)):
+            top = int(pre.argmax())
+            return model, prefix[:6], prefix, top, b if top == a else a
+    raise AssertionError("no seed gave a tie that only single-token decoding shows")
+
+
+def test_decoded_logits_are_the_prefills_in_fp32():
+    """decoded_logits (the sacred tests' single-token-decoding view of a position) against a
+    prefill of the same tokens: equal up to fp32 rounding on an fp32 target, and None where the
+    prefix is the prompt."""
+    model = target(41)
+    prefix = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(41))
+    with torch.no_grad():
+        want = model(prefix[None]).logits[0, -1].float()
+    got = decoded_logits(model, prefix[:5], prefix)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert decoded_logits(model, prefix, prefix) is None
+
+
+def test_a_tie_in_single_token_decoding_explains_a_divergence(capsys):
+    """A divergence between two tokens that single-token decoding (the autoregressive step's kind of
+    pass) ranks within 4 bf16 ulps of its top passes, in either order, though a prefill puts them
+    more than 4 ulps apart; a token off the top in both views fails."""
+    model, prompt, prefix, top, other = _decoding_tie(300)
+    mask = torch.ones(1, len(prompt), dtype=torch.long)
+    sequence = lambda token: torch.cat([prefix, torch.tensor([token])])[None]
+    for got, want in ((other, top), (top, other)):
+        assert_equal_up_to_bf16_ties(model, prompt[None], mask, sequence(got), sequence(want))
+        assert "a bf16 tie in single-token decoding" in capsys.readouterr().out
+    with torch.no_grad():
+        pre = model(prefix[None]).logits[0, -1].float()
+    dec = decoded_logits(model, prompt, prefix)
+    low = int(torch.minimum(pre, dec).argmin())
+    with pytest.raises(AssertionError, match="diverges at token 10"):
+        assert_equal_up_to_bf16_ties(model, prompt[None], mask, sequence(low), sequence(top))
+
+
+def _greedy(model, compile_step=False):
+    """resume for assert_equal_up_to_bf16_ties: n greedy autoregressive tokens after a prompt [L]."""
+    def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:
+        out = model.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
+                             eos_token_id=None, compile_step=compile_step)
+        return out[0, prefix.numel():]
+    return resume
+
+
+def test_ties_are_checked_past_the_first_with_a_resumed_decoding(capsys):
+    """With ``resume``, the tokens after an accepted tie are checked against autoregressive decoding
+    resumed from got's side of it: a run that follows that decoding to the end passes, and a later
+    token off it fails (which, without ``resume``, would go unchecked)."""
+    model, prefix, want, other, _, _ = _expert_tie(31, 1e-3)
+    resume = _greedy(model)
+    mask = torch.ones(1, len(prefix), dtype=torch.long)
+    side = lambda token: torch.cat([prefix, torch.tensor([token])])
+    ref = torch.cat([side(want), resume(side(want), 5)])[None]  # the autoregressive run
+    run = torch.cat([side(other), resume(side(other), 5)])[None]  # tie, then the other side's own decoding
+    assert not torch.equal(run[0, len(prefix) + 1:], ref[0, len(prefix) + 1:])  # the check has work to do
+    assert_equal_up_to_bf16_ties(model, prefix[None], mask, run, ref, resume=resume)
+    out = capsys.readouterr().out
+    assert "expert-choice tie" in out and "equal to the resumed decoding to the end" in out
+    # a token 3 after the tie that no tie explains: the least likely one after the resumed history
+    at = len(prefix) + 3
+    with torch.no_grad():
+        bad = int(model(run[:, :at]).logits[0, -1].argmin())
+    wrong = run.clone()
+    wrong[0, at] = bad
+    assert_equal_up_to_bf16_ties(model, prefix[None], mask, wrong, ref)  # unchecked past the first tie
+    with pytest.raises(AssertionError, match="diverges at token 3"):
+        assert_equal_up_to_bf16_ties(model, prefix[None], mask, wrong, ref, resume=resume)
+    # max_resumes bounds the decodings: with none, the check stops at the tie and says so
+    assert_equal_up_to_bf16_ties(model, prefix[None], mask, wrong, ref, resume=resume, max_resumes=0)
+    assert "not checked after token 0" in capsys.readouterr().out
+
+
 @requires_mla_cuda
 @pytest.mark.parametrize("kind,budget,compile_step", [("oracle_80", 8, "auto"), ("random_dflash", 16, False),
                                                       ("oracle", 32, "auto"), ("oracle_80", "auto", "auto")])
@@ -754,7 +896,7 @@ def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, compile_step=compile_step)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None, drafter=drafter,
                         tree_budget=budget, compile_step=compile_step)
-    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar, resume=_greedy(model, compile_step))
 
 
 @requires_mla_cuda
@@ -764,7 +906,9 @@ def test_cuda_bf16_ddtree_equals_autoregressive(kind, budget, compile_step):
     ("oracle_80", 8, 92, 40, "auto"), ("random_dflash", 16, 92, 40, "auto"),
     # bench/RESULTS.md runs 154-158: here requests 1 and 2 can diverge (tokens 17 and 12, logit gaps
     # 1.59 and 2.25) at expert-choice ties (score gaps 0.003 and 0.005), whichever GEMM computes the
-    # verification's router logits: the second allowance of assert_equal_up_to_bf16_ties
+    # verification's router logits: the expert-choice allowance of assert_equal_up_to_bf16_ties.
+    # Checked past its first tie, request 0 meets a tie at token 30 that only single-token decoding
+    # shows (runs 160-162: prefill logit gap 1.44, decoding 2 ulps, its router choosing another expert)
     ("oracle_80", 16, 96, 32, True)])
 def test_cuda_int4_ddtree_equals_autoregressive(kind, budget, seed, new_tokens, compile_step):
     """An INT4 target in bf16 with CUDA graphs: the autoregressive steps' MoE blocks take
@@ -780,7 +924,7 @@ def test_cuda_int4_ddtree_equals_autoregressive(kind, budget, seed, new_tokens, 
                         compile_step=compile_step)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, drafter=drafter,
                         tree_budget=budget, compile_step=compile_step)
-    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar, resume=_greedy(model, compile_step))
 
 
 @requires_mla_cuda
@@ -792,7 +936,7 @@ def test_cuda_compiled_step_in_graphs_equals_autoregressive():
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, compile_step=True)
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, drafter=drafter,
                         tree_budget=8, compile_step=True)
-    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar)
+    assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar, resume=_greedy(model, True))
 
 
 @requires_mla_cuda
