@@ -46,7 +46,7 @@ MAX_EOS = 8
 # tuning of every kernel's launch config (~65-85 s compile per step the first time, then inductor's
 # on-disk cache).  Tuning helped the inductor-reduction experts (run 30: 0.849 -> 0.737 ms) but
 # adds nothing since kdtree::moe_gemv and the decode GEMV forms (run 31: 0.7299 ms combo, 0.7302
-# tuned), nor on k2_slice (run 164: 0.3139 ms median tuned, 0.3146 combo).  RESULTS.md runs 28-31.
+# tuned), nor on k2_slice (run 164: 0.3139 ms median tuned, 0.3146 combo).  RESULTS.md runs 28-31, 164.
 INDUCTOR_OPTIONS = {"combo": {"combo_kernels": True},
                     "tuned": {"combo_kernels": True, "coordinate_descent_tuning": True}}
 # Inductor's Triton kernels with programmatic dependent launch (inductor's ``triton.enable_pdl``):
