@@ -11,7 +11,11 @@ rows held in L2 would skip HBM.  bench/RESULTS.md run 163 (H200, 60 MiB L2, 37.5
 most): no gain at 24 MiB, 3.7 % slower at 37.5 MiB -- not used.  Worth re-running where L2 is larger
 (sm_120's RTX PRO 6000: 128 MB).
 """
-import ctypes, hashlib, os, sys, torch
+import ctypes
+import hashlib
+
+import torch
+
 from bench.bench_generate import target
 from bench.bench_kimi_decode import NEW, _prompt
 

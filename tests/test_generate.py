@@ -721,11 +721,10 @@ def assert_equal_up_to_bf16_ties(model, ids, mask, got, want, resume=None, max_r
                 logits = model(prefix[None]).logits[0, -1].float()
             gap = (logits[want_r[t]] - logits[got[r, t]]).abs().item()
             ulp = _ulp(logits)
-            decoded = None if gap <= 4 * ulp else decoded_logits(model, prompt, prefix)
             if gap <= 4 * ulp:
                 print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
-            elif decoded is not None and all(decoded[tok] >= decoded.max() - 4 * _ulp(decoded)
-                                             for tok in (want_r[t], got[r, t])):
+            elif (decoded := decoded_logits(model, prompt, prefix)) is not None and all(
+                    decoded[tok] >= decoded.max() - 4 * _ulp(decoded) for tok in (want_r[t], got[r, t])):
                 print(f"request {r}: equal for {t - T} tokens, then a bf16 tie in single-token decoding (gap "
                       f"{(decoded[want_r[t]] - decoded[got[r, t]]).abs().item():.3g}, ulp {_ulp(decoded):.3g}; "
                       f"prefill gap {gap:.3g})")
