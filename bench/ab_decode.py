@@ -6,9 +6,11 @@ that two settings (environment switches, or swapped builds) can be compared one 
     AB_LABEL=A PYTHONPATH=. python bench/ab_decode.py k2_slice
     AB_LABEL=B KDTREE_MLA_DECODE_STAGES=2 PYTHONPATH=. python bench/ab_decode.py k2_slice
 
+AB_OPTS (JSON) adds inductor options to the step's compile, e.g. AB_OPTS='{"split_reductions": false}'.
 The A/B runs of bench/RESULTS.md from run 133 on used this script (as `.gpu/s26/ab.py`).
 """
 import hashlib
+import json
 import os
 import sys
 
@@ -19,7 +21,7 @@ from bench.bench_kimi_decode import NEW, _prompt
 def main(name: str) -> None:
     model = target(name)
     ids = _prompt(model.config.vocab_size)
-    kw = dict(eos_token_id=None, compile_step={"combo_kernels": True})
+    kw = dict(eos_token_id=None, compile_step={"combo_kernels": True, **json.loads(os.environ.get("AB_OPTS", "{}"))})
     model.generate(ids, max_new_tokens=NEW, **kw)
     times, hashes = [], set()
     for _ in range(int(os.environ.get("AB_REPS", "5"))):
