@@ -18,19 +18,26 @@ from bench.bench_generate import target
 from bench.bench_kimi_decode import NEW, _prompt
 
 
+def timed_generates(model, ids, reps: int, new: int = NEW, **kw) -> tuple[list[float], list[str]]:
+    """A warm-up generate, then ``reps`` greedy generates of ``new`` tokens: their ms / step, sorted,
+    and the distinct 12-hex-digit hashes of their tokens, sorted."""
+    kw = dict(eos_token_id=None, **kw)
+    model.generate(ids, max_new_tokens=new, **kw)
+    times, hashes = [], set()
+    for _ in range(reps):
+        out = model.generate(ids, max_new_tokens=new, return_dict_in_generate=True, **kw)
+        times.append(out.step_seconds / new * 1e3)
+        hashes.add(hashlib.sha1(out.sequences.cpu().numpy().tobytes()).hexdigest()[:12])
+    return sorted(times), sorted(hashes)
+
+
 def main(name: str) -> None:
     model = target(name)
     ids = _prompt(model.config.vocab_size)
-    kw = dict(eos_token_id=None, compile_step={"combo_kernels": True, **json.loads(os.environ.get("AB_OPTS", "{}"))})
-    model.generate(ids, max_new_tokens=NEW, **kw)
-    times, hashes = [], set()
-    for _ in range(int(os.environ.get("AB_REPS", "5"))):
-        out = model.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, **kw)
-        times.append(out.step_seconds / NEW * 1e3)
-        hashes.add(hashlib.sha1(out.sequences.cpu().numpy().tobytes()).hexdigest()[:12])
-    times.sort()
+    opts = {"combo_kernels": True, **json.loads(os.environ.get("AB_OPTS", "{}"))}
+    times, hashes = timed_generates(model, ids, int(os.environ.get("AB_REPS", "5")), compile_step=opts)
     print(f"AB {name} {os.environ.get('AB_LABEL', '-')} {times[0]:.4f} ms/step median {times[len(times) // 2]:.4f} "
-          f"hashes={sorted(hashes)}", flush=True)
+          f"hashes={hashes}", flush=True)
 
 
 if __name__ == "__main__":

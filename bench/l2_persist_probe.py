@@ -12,12 +12,12 @@ most): no gain at 24 MiB, 3.7 % slower at 37.5 MiB -- not used.  Worth re-runnin
 (sm_120's RTX PRO 6000: 128 MB).
 """
 import ctypes
-import hashlib
 
 import torch
 
 from bench.bench_generate import target
-from bench.bench_kimi_decode import NEW, _prompt
+from bench.ab_decode import timed_generates
+from bench.bench_kimi_decode import _prompt
 
 cu = ctypes.CDLL("libcuda.so.1")
 
@@ -69,15 +69,8 @@ def time_us(fn, stream, reps=100):
 
 
 def decode(model, ids, tag):
-    kw = dict(eos_token_id=None, compile_step={"combo_kernels": True})
-    model.generate(ids, max_new_tokens=NEW, **kw)
-    times, hashes = [], set()
-    for _ in range(3):
-        out = model.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, **kw)
-        times.append(out.step_seconds / NEW * 1e3)
-        hashes.add(hashlib.sha1(out.sequences.cpu().numpy().tobytes()).hexdigest()[:12])
-    times.sort()
-    print(f"DECODE {tag}: best {times[0]:.4f} ms/step, median {times[len(times) // 2]:.4f}, hashes {sorted(hashes)}",
+    times, hashes = timed_generates(model, ids, 3, compile_step={"combo_kernels": True})
+    print(f"DECODE {tag}: best {times[0]:.4f} ms/step, median {times[len(times) // 2]:.4f}, hashes {hashes}",
           flush=True)
 
 
