@@ -4,7 +4,8 @@ Run: pytest bench/bench_draft_topk.py --benchmark-only -s
 Shapes: R in {1, 8}, L = 15, V = 163840 (the K2 vocabulary), k in {16, 64, 256, 1024}, bf16
 logits.  gpu_us / torch_us are per call inside a CUDA graph of 20 calls (bench/conftest.py), both
 measured in the same run; target 25 us (issue 7, R = 1); speedup = torch_us / gpu_us.  gbs is the
-logits read rate, against hbm_gbs = a device copy's read + write rate measured in the same run.
+logits read rate; ceiling_ratio = gbs / the HBM ceiling (bench/conftest.py: max of a read-only
+stream and a device copy, both measured in the same run).
 pytest-benchmark itself times one eager call plus a synchronisation (Python and launch overhead
 included), reported as eager_us.
 """
@@ -13,7 +14,7 @@ import torch
 
 from torch_kdtree.ops import draft_topk_partial
 
-from .conftest import cuda_time_us, hbm_bandwidth_gbs, record, requires_cuda
+from .conftest import cuda_time_us, hbm_ceiling, record, requires_cuda
 
 L, V = 15, 163840
 TARGET_US = 25.0
@@ -50,9 +51,11 @@ def test_draft_topk(benchmark, k, R):
     torch_us = cuda_time_us(lambda: torch_path(logits, k))
     eager = eager_us(benchmark, lambda: op(logits, k))
     nbytes = logits.numel() * logits.element_size()
+    gbs = nbytes / (us * 1e-6) / 1e9
+    ceiling = hbm_ceiling()
     record(benchmark, op="draft_topk", R=R, L=L, V=V, k=k, gpu_us=us, target_us=TARGET_US, target_ratio=us / TARGET_US,
-           torch_us=torch_us, speedup_vs_torch=torch_us / us, eager_us=eager, gbs=nbytes / (us * 1e-6) / 1e9,
-           hbm_gbs=hbm_bandwidth_gbs())
+           torch_us=torch_us, speedup_vs_torch=torch_us / us, eager_us=eager, gbs=gbs,
+           ceiling_ratio=gbs / ceiling.gbs, **ceiling.fields())
 
 
 @requires_cuda

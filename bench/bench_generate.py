@@ -24,8 +24,8 @@ runs outside the timed steps.
 
 Reported: ms per step (CUDA events around each graph replay), its ratio to the autoregressive
 step and to a bandwidth floor (bytes of weights touched by the step's tokens -- expected
-distinct experts E (1 - (1 - k/E)^T) for T tokens -- plus the KV read, over the device-copy
-bandwidth measured in the same run); tokens/s inside the decoding steps (2000 tokens / summed
+distinct experts E (1 - (1 - k/E)^T) for T tokens -- plus the KV read, over the HBM ceiling of
+bench/conftest.py: max of a read-only stream and a device copy, both measured in the same run); tokens/s inside the decoding steps (2000 tokens / summed
 step time) and wall-clock; transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted
 generation with a one-layer random assistant, on the 2p2b configuration.
 """
@@ -39,7 +39,7 @@ import torch
 from torch_kdtree.models.dflash import random_drafter
 from torch_kdtree.models.generation import GenerationSession, OracleDrafter
 
-from .conftest import hbm_bandwidth_gbs, record, requires_cuda
+from .conftest import hbm_ceiling, record, requires_cuda
 
 TOKENS = int(os.environ.get("BENCH_TOKENS", 2000))
 COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"  # steps compiled by inductor (generate's CUDA default)
@@ -132,10 +132,8 @@ def prompt(name: str) -> torch.Tensor:
     return torch.randint(0, CONFIGS[name]["vocab_size"] - 1, (1, PROMPT), generator=g).cuda()
 
 
-def floor_seconds(name: str, budget: int, context: int, with_drafter: bool,
-                  bandwidth_gbs: float | None = None) -> float:
-    """Bytes the step must read at least (module docstring) over ``bandwidth_gbs`` (default: the
-    device-copy bandwidth measured in this run)."""
+def floor_seconds(name: str, budget: int, context: int, with_drafter: bool) -> float:
+    """Bytes the step must read at least (module docstring) over the HBM ceiling of this run."""
     model, c = target(name), CONFIGS[name]
     T = budget + 1
     E, k = c["n_routed_experts"], c["num_experts_per_tok"]
@@ -157,7 +155,7 @@ def floor_seconds(name: str, budget: int, context: int, with_drafter: bool,
     if with_drafter:  # its weights and a second pass over the borrowed lm_head
         total += sum(p.numel() * p.element_size() for p in drafter(name).parameters())
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return total / ((bandwidth_gbs or hbm_bandwidth_gbs()) * 1e9)
+    return total / (hbm_ceiling().gbs * 1e9)
 
 
 def _configs():
@@ -180,7 +178,7 @@ def test_step_time_against_tree_budget(benchmark, name):
     for b in BUDGETS:
         floor = floor_seconds(name, b, context, with_drafter=b > 0) * 1e3
         record(benchmark, op="step_time", config=name, compiled=COMPILE, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
-               floor_ms=floor, floor_ratio=floor / ms[b], context=context)
+               floor_ms=floor, floor_ratio=floor / ms[b], context=context, **hbm_ceiling().fields())
     RESULTS[(name, "step_ms")] = ms
     if name == "2p2b":
         record(benchmark, op="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
