@@ -214,6 +214,26 @@ def test_step_compiles_as_one_graph_and_equals_eager():
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
 
 
+def test_compiled_steps_of_two_models_and_a_dozen_budgets_in_one_process():
+    """Every (model, budget) step compiles once, on a code object of its own: two models and twelve
+    budgets (more than dynamo's recompile limit of 8 for one code object) all compile with
+    fullgraph=True, run, and give each model's autoregressive tokens (fp32)."""
+    budgets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24)
+    try:
+        torch._dynamo.reset()
+        for seed in (41, 42):
+            model, (ids, mask) = target(seed), prompts(1, seed)
+            ar = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, compile_step="aot_eager")
+            assert torch.equal(ar, autoregressive(seed, 1, 8))
+            drafter = make_drafter("random_dflash", model, seed, 4)
+            for budget in budgets:
+                dd = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, drafter=drafter,
+                                    tree_budget=budget, compile_step="aot_eager")
+                assert torch.equal(dd, ar), (seed, budget)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_inductor_compiled_ddtree_on_cpu_equals_autoregressive():
     """generate(compile_step=True) on CPU: the steps through inductor's C++ backend (an INT4 target,
     the oracle drafter, whose look-ahead once tripped that backend: pytorch/pytorch#196570) give

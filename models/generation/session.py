@@ -96,6 +96,24 @@ def _state_tensors(module) -> dict:
     return found
 
 
+def _own_code(fn, name: str):
+    """A function that calls ``fn()`` through a code object of its own, named ``name``.
+
+    Dynamo keeps its compiled graphs, guards and recompile count per code object.  Every
+    session's step for every budget would otherwise enter through one shared code object (the
+    step lambda, or ``_ar_step``), each new (session, budget) would be a recompile of it, and the
+    ninth would hit dynamo's recompile limit (an error under ``fullgraph=True``).  With its own
+    code object each step compiles once, keeps its own guards, and is freed with its session."""
+
+    def step():
+        return fn()
+
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(step.__code__, "co_qualname") else {})}
+    step.__code__ = step.__code__.replace(**names)
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
 class PhaseTimer:
     """Per-phase wall time of one eager step: CUDA events on a GPU, perf_counter on the CPU
     (where ops run synchronously)."""
@@ -209,7 +227,8 @@ class GenerationSession:
                 how = {"backend": "inductor", **({"options": options} if options else {})}
             else:
                 how = {"backend": compile_step}
-            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False, **how) for k, f in self._fns.items()}
+            self._fns = {k: torch.compile(_own_code(f, f"step_{k}"), fullgraph=True, dynamic=False, **how)
+                         for k, f in self._fns.items()}
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
             for key, fn in self._fns.items():
