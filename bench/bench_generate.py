@@ -23,11 +23,14 @@ continuation at the given accuracy (models/generation/oracle.py); the oracle's o
 runs outside the timed steps.
 
 Reported: ms per step (CUDA events around each graph replay), its ratio to the autoregressive
-step and to a bandwidth floor (bytes of weights touched by the step's tokens -- expected
-distinct experts E (1 - (1 - k/E)^T) for T tokens -- plus the KV read, over the HBM ceiling of
-bench/conftest.py: max of a read-only stream and a device copy, both measured in the same run); tokens/s inside the decoding steps (2000 tokens / summed
-step time) and wall-clock; transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted
-generation with a one-layer random assistant, on the 2p2b configuration.
+step and its floor: the bytes the step must read (bench/floor.py: the target's non-expert weights,
+its shared experts, the routed experts its tokens actually routed to -- counted on the device in
+one eager step per budget from the prompt's prefill -- the latent KV read, and the drafter's
+weights, its lm_head pass and its context read) over the HBM ceiling of bench/conftest.py (max of
+a read-only stream and a device copy, both measured in the same run), floor_ratio = floor / step;
+tokens/s inside the decoding steps (2000 tokens / summed step time) and wall-clock; transformers'
+DeepseekV3ForCausalLM.generate (eager) and its assisted generation with a one-layer random
+assistant, on the 2p2b configuration.
 """
 import functools
 import os
@@ -40,6 +43,7 @@ from torch_kdtree.models.dflash import random_drafter
 from torch_kdtree.models.generation import GenerationSession, OracleDrafter
 
 from .conftest import hbm_ceiling, record, requires_cuda
+from .floor import routed_experts_of_step, step_bytes
 
 TOKENS = int(os.environ.get("BENCH_TOKENS", 2000))
 COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"  # steps compiled by inductor (generate's CUDA default)
@@ -132,30 +136,18 @@ def prompt(name: str) -> torch.Tensor:
     return torch.randint(0, CONFIGS[name]["vocab_size"] - 1, (1, PROMPT), generator=g).cuda()
 
 
-def floor_seconds(name: str, budget: int, context: int, with_drafter: bool) -> float:
-    """Bytes the step must read at least (module docstring) over the HBM ceiling of this run."""
-    model, c = target(name), CONFIGS[name]
-    T = budget + 1
-    E, k = c["n_routed_experts"], c["num_experts_per_tok"]
-    experts, other = 0, 0
-    for pname, p in model.named_parameters():
-        if ".experts." not in pname and "embed_tokens" not in pname:
-            other += p.numel() * p.element_size()
-    for bname, b in model.named_buffers():
-        if ".experts." in bname:
-            experts += b.numel() * b.element_size()
-    for pname, p in model.named_parameters():
-        if ".experts." in pname:
-            experts += p.numel() * p.element_size()
-    moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
-    per_expert = experts / (moe_layers * E)
-    touched = moe_layers * E * (1 - (1 - k / E) ** T) * per_expert
-    kv = context * c["num_hidden_layers"] * 576 * 2
-    total = other + touched + kv
-    if with_drafter:  # its weights and a second pass over the borrowed lm_head
-        total += sum(p.numel() * p.element_size() for p in drafter(name).parameters())
-        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return total / (hbm_ceiling().gbs * 1e9)
+def routed_experts(name: str, budgets) -> dict[int, list[int]]:
+    """Per budget, the distinct routed experts per MoE layer of one step, counted on the device
+    (bench/floor.py) in an eager session, each step fresh from the prompt's prefill.  It sets up
+    the drafter's context cache anew: a session built earlier on the same drafter must not step
+    afterwards."""
+    session = GenerationSession(target(name), drafter(name), batch_size=1, max_prompt=PROMPT, max_new=512,
+                                budgets=budgets, cuda_graphs=False)
+    counts = {}
+    for b in budgets:
+        session.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
+        counts[b] = routed_experts_of_step(session, b)
+    return counts
 
 
 def _configs():
@@ -175,10 +167,14 @@ def test_step_time_against_tree_budget(benchmark, name):
         ms[b] = session.time_steps(b, 16) * 1e3
     benchmark.pedantic(lambda: session.time_steps(16, 4), rounds=3, iterations=1)
     context = int(session.cache.lengths.max())
+    routed = routed_experts(name, BUDGETS)  # after the timing: it rebuilds the drafter's cache
+    ceiling = hbm_ceiling()
     for b in BUDGETS:
-        floor = floor_seconds(name, b, context, with_drafter=b > 0) * 1e3
+        need = step_bytes(model, routed[b], [context], b, drafter(name))
+        floor = need.seconds(ceiling.gbs) * 1e3
         record(benchmark, op="step_time", config=name, compiled=COMPILE, budget=b, ms=ms[b], ratio_to_ar=ms[b] / ms[0],
-               floor_ms=floor, floor_ratio=floor / ms[b], context=context, **hbm_ceiling().fields())
+               floor_ms=floor, floor_ratio=floor / ms[b], context=context, experts_touched=sum(routed[b]),
+               experts_touched_per_layer="/".join(map(str, routed[b])), **need.fields(), **ceiling.fields())
     RESULTS[(name, "step_ms")] = ms
     if name == "2p2b":
         record(benchmark, op="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
