@@ -17,8 +17,6 @@ import time
 import torch
 
 import torch_kdtree
-from torch_kdtree.models.generation import OracleDrafter
-from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 
 
 def _device() -> str:
@@ -40,6 +38,9 @@ def _timed(fn):
 
 
 def main(argv=None) -> None:
+    from torch_kdtree.models.generation import OracleDrafter  # the models import transformers: on use only
+    from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2, help="requests (prompts of different lengths)")
