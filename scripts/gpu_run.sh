@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build for the local GPU, run tests, sanitizers and benchmarks; logs to $OUT.
-# Usage: bash scripts/gpu_run.sh "<pytest test selection>" "<bench selection>" "<sanitize scripts>"
+# Usage: bash scripts/gpu_run.sh "<pytest test selection>" "<bench selection>" "<sanitizer drivers, e.g. tools/sanitize_gemv.py>"
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -1,9 +1,9 @@
-"""bench/profile_decode.py's step timeline (step_timeline): which trace events it keeps, the last
+"""tools/profile_decode.py's step timeline (step_timeline): which trace events it keeps, the last
 of equal steps, starts, durations and gaps (overlaps negative).  The events are made up in the
 Chrome-trace layout torch.profiler exports (cat, name, ts and dur in us)."""
 import pytest
 
-from bench.profile_decode import step_timeline
+from tools.profile_decode import step_timeline
 
 
 def ev(cat, name, ts, dur):

@@ -1,11 +1,11 @@
-"""bench/trace_decode.py's reading of kernel phase stamps (csrc/trace.cuh): which launches it keeps,
+"""tools/trace_decode.py's reading of kernel phase stamps (csrc/trace.cuh): which launches it keeps,
 their order, the last decode step, and the table it prints.  The stamps come from a KDTREE_TRACE=1
 build on a GPU; here they are made up in the same layout ([records, blocks, 2 x phases] int64,
 globaltimer at even indices, and each record's kind and grid)."""
 import pytest
 import torch
 
-from bench.trace_decode import (ORDER, last_step, phase_steps, print_rows, print_steps, stamped,
+from tools.trace_decode import (ORDER, last_step, phase_steps, print_rows, print_steps, stamped,
                                 wait_to_end)
 
 PHASES = 12
@@ -86,7 +86,7 @@ def test_kinds_and_phases_match_trace_cuh():
     import re
     from pathlib import Path
 
-    from bench.trace_decode import KINDS
+    from tools.trace_decode import KINDS
 
     src = (Path(__file__).resolve().parents[1] / "torch_kdtree" / "csrc" / "trace.cuh").read_text()
     phases = int(re.search(r"kTracePhases = (\d+);", src).group(1))

@@ -1,5 +1,5 @@
 // Phase stamps for kernel timelines, a diagnostic build only (KDTREE_TRACE=1 at build time,
-// setup.py; bench/trace_decode.py reads them).  In a normal build the stamps compile to nothing and
+// setup.py; tools/trace_decode.py reads them).  In a normal build the stamps compile to nothing and
 // no kernel's parameters change.
 //
 // Each traced launch gets a record of kTraceMaxBlocks x kTraceStamps uint64: thread 0 of block b

@@ -28,7 +28,7 @@ A second table gives, per launch, the median block's time between consecutive ph
 own clock64 (cycle-exact; %globaltimer ticks every 0.256 us on the H200).
 
 Build and run (GPU):  KDTREE_TRACE=1 TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace
-                      PYTHONPATH=. python bench/trace_decode.py 2p2b [k2_slice]
+                      PYTHONPATH=. python tools/trace_decode.py 2p2b [k2_slice]
 """
 import sys
 

@@ -3,8 +3,8 @@ compile_step={"combo_kernels": True}; after a warm-up generate, AB_REPS (default
 bench_kimi_decode's 256 new tokens; prints the best and median ms / step and a hash of the tokens, so
 that two settings (environment switches, or swapped builds) can be compared one process each:
 
-    AB_LABEL=A PYTHONPATH=. python bench/ab_decode.py k2_slice
-    AB_LABEL=B KDTREE_MLA_DECODE_STAGES=2 PYTHONPATH=. python bench/ab_decode.py k2_slice
+    AB_LABEL=A PYTHONPATH=. python tools/ab_decode.py k2_slice
+    AB_LABEL=B KDTREE_MLA_DECODE_STAGES=2 PYTHONPATH=. python tools/ab_decode.py k2_slice
 
 AB_OPTS (JSON) adds inductor options to the step's compile, e.g. AB_OPTS='{"split_reductions": false}'.
 The A/B runs of bench/RESULTS.md from run 133 on used this script (as `.gpu/s26/ab.py`).

@@ -6,7 +6,7 @@ named barrier (``bar.sync 1, 256``) while 8 other warps clear global memory, the
 reported hazards between those writes and reads.  This kernel has exactly that barrier pattern
 and nothing else; it is race-free by construction, so a hazard reported here is racecheck's.
 
-Run (GPU):  compute-sanitizer --tool racecheck python bench/racecheck_named_barrier.py
+Run (GPU):  compute-sanitizer --tool racecheck python tools/racecheck_named_barrier.py
 """
 import torch
 from torch.utils.cpp_extension import load_inline

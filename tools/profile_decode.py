@@ -4,8 +4,8 @@ launches of one compiled, graph-replayed step in order, with their start, durati
 the previous launch's end (negative: the launch was resident before its predecessor ended, as
 programmatic-dependent-launch kernels are).
 
-Run (GPU):  python -m bench.profile_decode [2p2b|k2_slice ...]   (writes tables to $OUT or /tmp)
-            python -m bench.profile_decode --timeline [2p2b|k2_slice ...]   (AR and B = 16 steps)
+Run (GPU):  python -m tools.profile_decode [2p2b|k2_slice ...]   (writes tables to $OUT or /tmp)
+            python -m tools.profile_decode --timeline [2p2b|k2_slice ...]   (AR and B = 16 steps)
 The configurations and random models are bench/bench_generate.py's.
 """
 import json
@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from torch_kdtree.models.generation import GenerationSession
 
-from .bench_generate import PROMPT, drafter, prompt, target
+from bench.bench_generate import PROMPT, drafter, prompt, target
 
 OUT = os.environ.get("OUT", "/tmp")
 STEPS = 6

@@ -1,7 +1,7 @@
 """Small int4_moe run for compute-sanitizer (memcheck, racecheck, synccheck):
 
-    compute-sanitizer --tool memcheck  python bench/sanitize_int4_moe.py
-    compute-sanitizer --tool racecheck python bench/sanitize_int4_moe.py
+    compute-sanitizer --tool memcheck  python tools/sanitize_int4_moe.py
+    compute-sanitizer --tool racecheck python tools/sanitize_int4_moe.py
 
 Covers the K2 hidden size (H = 7168) with I = 256 on a few experts: the decode path (T·k <= 32:
 cp.async rings, gate/up K splits reduced through a thread-block cluster; once with an expert map

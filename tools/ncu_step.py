@@ -8,7 +8,7 @@ run 121; --launch-skip 7 skips the prefill's moe_route launches):
     PYTHONPATH=. ncu --profile-from-start off --cache-control none --clock-control none \\
       -k 'regex:gemv_ring_kernel|mla_decode_kernel|moe_route_kernel|moe_gate_up_kernel|moe_down_kernel' \\
       --launch-skip 7 --launch-count 70 --section WarpStateStats --section LaunchStats --csv --page raw \\
-      python bench/ncu_step.py 2p2b > ncu_2p2b.csv
+      python tools/ncu_step.py 2p2b > ncu_2p2b.csv
 """
 import sys
 
