@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kimi_k2.checkpoint_files import read_config_json
+
 CONFIG_NAME = "config.json"
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -277,8 +279,7 @@ class DFlashConfig:
         file = os.path.join(path, CONFIG_NAME)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"DFlash: no {CONFIG_NAME} in {path}")
-        with open(file) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))  # a truncated file: CheckpointError naming it
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         os.makedirs(path, exist_ok=True)

@@ -29,13 +29,10 @@ from torch import nn
 
 from torch_kdtree.ops._checks import value_checks_active
 
+from ..kimi_k2.checkpoint_files import SAFETENSORS_DTYPES, read_safetensors_header
 from .configuration import DFlashConfig, rope_inv_freq
 
 WEIGHTS_NAME = "model.safetensors"
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
 _SLOT_ALIGN = 16  # cache length multiple: keeps the attention mask's rows aligned for fused kernels
 
 
@@ -365,7 +362,8 @@ class DFlashDraftModel(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, config: DFlashConfig | None = None,
                         dtype: torch.dtype | None = None, device=None) -> "DFlashDraftModel":
         """Load a DFlash checkpoint directory (``config.json`` + ``model.safetensors``), strictly:
-        missing, unexpected, mis-shaped or wrong-dtype tensors raise an error naming them.
+        missing, unexpected, mis-shaped or wrong-dtype tensors raise an error naming them, a
+        truncated or corrupt file a ``CheckpointError`` naming the file.
 
         ``config`` replaces the file's config (e.g. to override ``rope_parameters
         ["attention_factor"]``); ``dtype`` casts after the checks (default: the file's dtype).
@@ -376,6 +374,7 @@ class DFlashDraftModel(nn.Module):
             others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt")))
             hint = f" (found {others}: pickle checkpoints are not loaded; convert to safetensors)" if others else ""
             raise FileNotFoundError(f"DFlash: no {WEIGHTS_NAME} in {path}{hint}")
+        read_safetensors_header(file)  # a truncated or corrupt download raises CheckpointError naming the file
         with safe_open(file, framework="pt", device="cpu") as f:
             names = {name: name.removeprefix("model.") for name in f.keys()}  # some re-exports prefix "model."
             found = {}
@@ -395,7 +394,7 @@ class DFlashDraftModel(nn.Module):
                 problems.append(f"unexpected tensors: {sorted(set(found) - set(expected))}")
             file_dtype = config.torch_dtype
             for key in sorted(set(found) & set(expected)):
-                shape, dt = tuple(found[key].get_shape()), _SAFETENSORS_DTYPES.get(found[key].get_dtype())
+                shape, dt = tuple(found[key].get_shape()), SAFETENSORS_DTYPES.get(found[key].get_dtype())
                 if shape != tuple(expected[key]):
                     problems.append(f"{key}: shape {list(shape)}, expected {list(expected[key])}")
                 file_dtype = file_dtype or dt

@@ -44,6 +44,7 @@ _NEUTRAL = {
     "force_words_ids": (None,), "watermarking_config": (None,), "prompt_lookup_num_tokens": (None,),
     "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False),
 }
+_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _REFUSED_ARGS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
                  "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer",
                  "tokenizer")
@@ -88,15 +89,64 @@ def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
     return config
 
 
+def _check_input_ids(input_ids) -> torch.Tensor:
+    """``input_ids`` as an integer [R, T] tensor (a 1-D prompt becomes one request)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"generate: input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype not in _TOKEN_DTYPES:
+        raise ValueError(f"generate: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"generate: input_ids must be [batch, tokens] (or [tokens]), got shape {tuple(input_ids.shape)}")
+    return input_ids
+
+
+def _check_vocabulary(prompts: torch.Tensor, vocab_size: int) -> None:
+    """Every prompt token in [0, vocab_size); ``prompts`` is the host copy (padding holds 0)."""
+    bad = (prompts < 0) | (prompts >= vocab_size)
+    if bad.any():
+        r, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"generate: input_ids holds token id {int(prompts[r, t])} (request {r}), outside the "
+                         f"target's vocabulary [0, {vocab_size}); ids span [{int(prompts.min())}, {int(prompts.max())}]")
+
+
+def _check_drafter(target, drafter) -> None:
+    """The drafter embeds with the target's embedding, drafts through its lm_head and reads its
+    layers' outputs: hidden size, vocabulary, taps, dtype and device must agree (an oracle's
+    ``inner`` drafter too)."""
+    inner = getattr(drafter, "inner", None)
+    if inner is not None:
+        _check_drafter(target, inner)
+    config, tc = getattr(drafter, "config", None), target.config
+    for field, theirs in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size)):
+        ours = getattr(config, field, None)
+        if ours is not None and ours != theirs:
+            raise ValueError(f"generate: the drafter's {field} {ours} != the target's {field} {theirs} "
+                             f"(a drafter made for another target)")
+    taps = list(getattr(drafter, "target_layer_ids", ()))
+    if any(not 0 <= i < tc.num_hidden_layers for i in taps):
+        raise ValueError(f"generate: the drafter's target_layer_ids {taps} are not all layers of the target "
+                         f"(num_hidden_layers {tc.num_hidden_layers})")
+    dtype, device = getattr(drafter, "dtype", None), getattr(drafter, "device", None)
+    if isinstance(dtype, torch.dtype) and dtype != target.dtype:
+        raise ValueError(f"generate: the drafter's dtype {dtype} != the target's dtype {target.dtype} "
+                         f"(drafter.to({target.dtype}))")
+    if isinstance(device, (torch.device, str)) and torch.device(device) != target.device:
+        raise ValueError(f"generate: the drafter's device {device} != the target's device {target.device} "
+                         f"(drafter.to('{target.device}'))")
+
+
 def _value(config: GenerationConfig, name: str):
     value = getattr(config, name, None)
     return _DEFAULTS[name] if value is None else value
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompts and their lengths from left- or right-padded ``input_ids`` [R, T]."""
+    """Right-padded prompts (on the host) and their lengths from left- or right-padded ``input_ids`` [R, T]."""
+    ids = input_ids.to("cpu")  # the one host copy: the mask's layout and the vocabulary are checked on it
     if attention_mask is None:
-        return input_ids, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.int64)
+        return ids, torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int64)
     mask = attention_mask.to("cpu").bool()
     if mask.shape != input_ids.shape:
         raise ValueError(f"generate: attention_mask shape {tuple(mask.shape)} != input_ids shape "
@@ -108,7 +158,6 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tu
     t = torch.arange(mask.shape[1])
     if not torch.equal(mask, (t >= first[:, None]) & (t < (first + lengths)[:, None])):
         raise ValueError("generate: each attention_mask row must be one contiguous run of ones (left or right padding)")
-    ids = input_ids.to("cpu")
     gather = (first[:, None] + t).clamp(max=mask.shape[1] - 1)
     right = torch.where(t < lengths[:, None], ids.gather(1, gather), torch.zeros_like(ids))
     return right, lengths
@@ -162,8 +211,7 @@ class DDTreeGenerationMixin(GenerationMixin):
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("generate: pass input_ids")
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
+        input_ids = _check_input_ids(input_ids)
         config = _resolve_config(self, generation_config, kwargs)
         if speculative is None and drafter is not None:
             speculative = "ddtree"
@@ -171,6 +219,8 @@ class DDTreeGenerationMixin(GenerationMixin):
             raise ValueError(f"generate: speculative must be 'ddtree' or None, got {speculative!r}")
         if speculative == "ddtree" and drafter is None:
             raise ValueError("generate: speculative='ddtree' needs a drafter (a DFlashDraftModel or OracleDrafter)")
+        if speculative is not None:
+            _check_drafter(self, drafter)
         R, T = input_ids.shape
         max_new = config.max_new_tokens
         if max_new is None:
@@ -186,6 +236,7 @@ class DDTreeGenerationMixin(GenerationMixin):
         if max_new == 0:
             return DDTreeGenerateOutput(sequences=input_ids) if return_dict else input_ids
         prompts, lengths = _prompts(input_ids, attention_mask)
+        _check_vocabulary(prompts, self.config.vocab_size)
 
         do_sample = bool(_value(config, "do_sample"))
         sampling = (_value(config, "temperature"), _value(config, "top_k"), _value(config, "top_p")) if do_sample \
