@@ -27,7 +27,7 @@ from torch_kdtree.models.kimi_k2.writer import (K2_QUANTIZATION_CONFIG, _tensor_
 
 
 def unpack_int4_explicit(packed: torch.Tensor, shape) -> torch.Tensor:
-    """The format as kimi_k2.md writes it, element by element along k: nibble k % 8 of word k // 8, minus 8."""
+    """The format as docs/kimi_k2.md writes it, element by element along k: nibble k % 8 of word k // 8, minus 8."""
     out_f, in_f = shape
     q = torch.empty(out_f, in_f, dtype=torch.int64)
     words = packed.to(torch.int64) & 0xFFFFFFFF

@@ -10,7 +10,7 @@ from .conftest import requires_cuda
 from torch_kdtree.ops import ddtree_build, mla_tree_attention, mla_tree_attention_reference
 
 D, DV = 576, 512
-SCALE = 0.144680  # K2 with YaRN factor 64 (kimi_k2.md)
+SCALE = 0.144680  # K2 with YaRN factor 64 (docs/kimi_k2.md)
 
 
 def random_tree_visible(R, N, gen, device="cpu"):

@@ -1,6 +1,6 @@
 """The target's token at every verified node: greedy argmax, or one Gumbel-max sample per node.
 
-Sample-and-walk (ddtree.md) is lossless when every node's token is an independent draw from the
+Sample-and-walk (docs/ddtree.md) is lossless when every node's token is an independent draw from the
 target's processed distribution at that node.  ``argmax(scores + Gumbel noise)`` is such a draw
 (the Gumbel-max trick), needs no ``multinomial`` and no host synchronisation, and keeps one
 fixed shape, so it runs inside a captured CUDA graph; the noise comes from the default

@@ -2,7 +2,7 @@
 headers alone (no tensor data): the files, every tensor's dtype / shape / location, the
 ``language_model.`` prefix of the K2.5 / K2.6 wrapper, and the validated quantisation format.
 
-Format facts (shared/docs/kimi_k2.md, dflash.md): K2-Thinking / K2.5 / K2.6 store the routed
+Format facts (docs/kimi_k2.md): K2-Thinking / K2.5 / K2.6 store the routed
 experts in compressed-tensors ``pack-quantized`` form, ``...experts.{e}.{proj}.weight_packed``
 int32 ``[out, in/8]`` (eight 4-bit values per int32 along the input, lowest nibble first, each
 q + 8), ``.weight_scale`` bf16 ``[out, in/32]`` and ``.weight_shape`` ``[2]`` = ``[out, in]``.

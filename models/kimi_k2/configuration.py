@@ -1,6 +1,6 @@
 """Kimi K2.x configuration: the text core of K2 / K2-Thinking / K2.5 / K2.6 checkpoints.
 
-A K2 ``config.json`` is a DeepSeek-V3 config with ``model_type: kimi_k2`` (shared/docs/kimi_k2.md),
+A K2 ``config.json`` is a DeepSeek-V3 config with ``model_type: kimi_k2`` (docs/kimi_k2.md),
 so :class:`KimiK2Config` is transformers' ``DeepseekV3Config`` under our model type, plus:
 
 - K2.5 / K2.6 wrap the same text core in a vision-language model (``model_type: kimi_k25``):
@@ -108,7 +108,7 @@ class KimiK2Config(DeepseekV3Config):
 
     @property
     def softmax_scale(self) -> float:
-        """MLA softmax scale: ``qk_head_dim^-0.5 * m^2`` with YaRN's ``m`` (kimi_k2.md)."""
+        """MLA softmax scale: ``qk_head_dim^-0.5 * m^2`` with YaRN's ``m`` (docs/kimi_k2.md)."""
         rope = rope_parameters(self)
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):

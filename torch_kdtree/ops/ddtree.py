@@ -1,7 +1,7 @@
 """DDTree step ops: ``kdtree::ddtree_build``, ``kdtree::tree_accept``, ``kdtree::kv_commit``.
 
 The functions named ``*_reference`` are the ground truth and the CPU kernels; the CUDA kernels
-in ``csrc/ddtree_build.cu`` and ``csrc/ddtree.cu`` must equal them bit for bit.  Algorithm: shared/docs/ddtree.md.
+in ``csrc/ddtree_build.cu`` and ``csrc/ddtree.cu`` must equal them bit for bit.  Algorithm: docs/ddtree.md.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _check_build(logprobs, token_ids, root_tokens, budget) -> None:
 
 
 def _build_one(lp: list, ids: list, root: int, budget: int, L: int, K: int):
-    """Best-first build of one tree, exactly as ddtree.md: heap order (-score, parent, rank)."""
+    """Best-first build of one tree, exactly as docs/ddtree.md: heap order (-score, parent, rank)."""
     score = [0.0]
     parent = [-1]
     depth = [0]

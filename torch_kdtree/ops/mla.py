@@ -1,6 +1,6 @@
 """Tree-verify MLA attention: ``kdtree::mla_tree_attention`` and ``kdtree::mla_tree_attention_out``.
 
-Absorbed MLA (kimi_k2.md) is MQA with d_k = 576 (512 latent + 64 rope) and d_v = 512 (the
+Absorbed MLA (docs/kimi_k2.md) is MQA with d_k = 576 (512 latent + 64 rope) and d_v = 512 (the
 latent part of the same cache row).  N tree nodes of R requests attend over one layer's paged
 latent cache: node i sees every committed position [0, cache_lens[r]) and tree node j (whose
 entry is already stored at position cache_lens[r] + j) iff visible[r, i, j].
@@ -138,7 +138,7 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             every step). Tree node j's entry is already stored at position cache_lens[r] + j.
         visible: bool [R, N, N]; node i sees tree node j iff visible[r, i, j] (``Tree.visible``:
             ancestor-or-self). Every committed position is visible to every node.
-        softmax_scale: multiplies q·k before the softmax (K2: 192**-0.5 · mscale², kimi_k2.md).
+        softmax_scale: multiplies q·k before the softmax (K2: 192**-0.5 · mscale², docs/kimi_k2.md).
         out: optional caller-owned [R, N, H, 512] output in q's dtype (the hot path: no allocation).
         return_lse: also return the log-sum-exp float32 [R, N, H] (natural log, scaled scores).
         prefix_ready: the caller's promise that cache_lens, block_table and the committed rows

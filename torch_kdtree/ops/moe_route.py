@@ -1,6 +1,6 @@
 """noaux_tc expert selection (DeepSeek-V3 / Kimi K2 routing) from router logits: ``kdtree::moe_route``.
 
-From fp32 ``logits`` [T, E] and the fp32 ``e_score_correction_bias`` [E] (kimi_k2.md, routing):
+From fp32 ``logits`` [T, E] and the fp32 ``e_score_correction_bias`` [E] (docs/kimi_k2.md, routing):
 
 1. ``scores = sigmoid(logits)``; ``choice = scores + bias`` (the bias only selects; NaN ranks last);
 2. with ``n_group > 1``: each group of E / n_group experts is scored by the sum of its two largest
