@@ -6,6 +6,7 @@ since the cache row of ``mla_tree_attention`` is 576 wide; everything else scale
 """
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -411,6 +412,8 @@ def test_int4_experts_equal_the_dense_path_on_dequantised_weights():
 
 
 def test_dense_expert_paths_agree():
+    from torch_kdtree.models.kimi_k2 import fused
+
     torch.manual_seed(18)
     experts = KimiK2Experts(6, 32, 16)
     for p in experts.parameters():
@@ -419,8 +422,8 @@ def test_dense_expert_paths_agree():
     ids = torch.stack([torch.randperm(6)[:3] for _ in range(10)]).int()
     w = torch.rand(10, 3)
     with torch.no_grad():
-        gathered, looped = experts._gathered(x, ids, w), experts._looped(x, ids, w)
-        row_gemv = experts._row_gemv(x, ids, w)  # the compiled-decode path (CUDA + torch.compile)
+        gathered, looped = experts(x, ids, w), fused.experts(experts, "looped", x, ids, w)
+        row_gemv = fused.experts(experts, "row_gemv", x, ids, w)  # the compiled-decode form
         oracle = torch.zeros(10, 32, dtype=torch.float64)
         for t in range(10):
             for j in range(3):
@@ -431,7 +434,7 @@ def test_dense_expert_paths_agree():
         assert rel_err(gathered.double(), oracle) <= 1e-5 and rel_err(looped.double(), oracle) <= 1e-5
         assert rel_err(row_gemv.double(), oracle) <= 1e-5
         try:
-            grouped = experts._grouped(x, ids, w)
+            grouped = fused.experts(experts, "grouped_mm", x, ids, w)
         except (RuntimeError, NotImplementedError) as e:  # grouped_mm without a CPU kernel in this torch
             pytest.skip(f"grouped_mm unavailable on CPU here: {e}")
         assert rel_err(grouped.double(), oracle) <= 1e-5
@@ -509,24 +512,18 @@ def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
 # compile and CUDA graphs
 # --------------------------------------------------------------------------------------------
 
-def decode_step(model, cache, tokens, positions, visible):
+def decode_step(model, cache, tokens, positions, visible, plan=None):
     """One fixed-shape decode step: the tree pass with N = 1, then commit the token."""
-    logits = model(tokens, positions, cache, visible).logits
+    logits = model(tokens, positions, cache, visible, plan=plan).logits
     cache.advance(1)
     return logits
 
 
-@pytest.mark.parametrize("gemv_form", [False, True, "prepare_op"], ids=["module_calls", "gemv_form", "prepare_op"])
-def test_decode_step_compiles_fullgraph_and_matches_eager(gemv_form, monkeypatch):
-    """gemv_form: the CUDA-only decode forms (gemv.py linears and router, the experts' per-row
-    GEMVs) forced on, so their code runs traced here too; prepare_op: the attention query from
-    kdtree::mla_prepare (its reference here), which writes the cache in place."""
-    if gemv_form is True:
-        from torch_kdtree.models.kimi_k2 import gemv
-        monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
-    if gemv_form == "prepare_op":
-        from torch_kdtree.models.kimi_k2 import modeling
-        monkeypatch.setattr(modeling, "_MLA_PREPARE", "always")
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernel_forms"])
+def test_decode_step_compiles_fullgraph_and_matches_eager(kernels):
+    """The plan of a decode step traces as one graph: the reference forward, and the forms CUDA's
+    plan takes (the multiply + sum linears and router, the experts' per-row GEMVs, mla_prepare,
+    which writes the cache in place; the ops' reference kernels here), in fp32."""
     model = make_model(20)
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 8)]
@@ -536,11 +533,16 @@ def test_decode_step_compiles_fullgraph_and_matches_eager(gemv_form, monkeypatch
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
+    plan = None
+    if kernels:  # fp32 here: the bf16 kernels' forms are asked for by the plan's data (mla_prepare accepts fp32)
+        plan = _kernel_plan(model, 2, 1, compiled=True)
+        assert plan.layers[1].experts == "row_gemv" and plan.layers[1].matvec
+        plan = replace(plan, layers=tuple(replace(lp, attention="prepare") for lp in plan.layers))
     with torch.no_grad():
         for t in range(4):
             tok = tokens[:, t : t + 1]
             want = decode_step(model, eager_cache, tok, eager_cache.lengths.long()[:, None], visible)
-            got = step(model, compiled_cache, tok, compiled_cache.lengths.long()[:, None], visible)
+            got = step(model, compiled_cache, tok, compiled_cache.lengths.long()[:, None], visible, plan)
             assert rel_err(got, want) <= 1e-5
     assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step
@@ -551,29 +553,16 @@ requires_int4_cuda = requires_cuda_kernel("kdtree::int4_moe")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm(monkeypatch):
+def test_cuda_bf16_prefill_matches_cpu_fp32_and_uses_grouped_mm():
     model = make_model(34, **GPU_HEADS)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(35))
     want = model(ids).logits
     gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
-    grouped_calls = 0
-    grouped = KimiK2Experts._grouped
-
-    def counting(self, *args):
-        nonlocal grouped_calls
-        grouped_calls += 1
-        return grouped(self, *args)
-
-    monkeypatch.setattr(KimiK2Experts, "_grouped", counting)
-    from torch_kdtree.models.kimi_k2 import moe
-    fits = []
-    mm_fits = moe.KimiK2Router.mm_fits
-    monkeypatch.setattr(moe.KimiK2Router, "mm_fits", lambda self, x: fits.append(mm_fits(self, x)) or fits[-1])
-    got = gpu(ids.cuda()).logits
+    plan = gpu.model.plan_pass(2, 9, tree=False)
+    for lp in plan.layers[1:]:  # both MoE layers: grouped_mm, their routers the fp32-output GEMM
+        assert lp.experts == "grouped_mm" and lp.router == ("mm" if hasattr(torch.ops.aten.mm, "dtype") else "linear")
+    got = gpu(ids.cuda(), plan=plan).logits
     assert rel_err(got.float().cpu(), want) <= 5e-2
-    assert grouped_calls == 2  # both MoE layers took the grouped_mm path
-    if moe._ROUTER_MM and hasattr(torch.ops.aten.mm, "dtype"):
-        assert fits == [True, True]  # and their routers the fp32-output GEMM (KDTREE_ROUTER_MM, default)
     cache = KimiK2Cache.for_model(gpu, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
     paged = gpu(ids.cuda(), cache=cache).logits  # writes through the block table, attends over the cache
     assert rel_err(paged.float(), got.float()) <= 2e-2
@@ -597,9 +586,9 @@ def test_cuda_int4_experts_match_dense_on_dequantised_weights():
 
 
 @requires_int4_cuda
-def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(monkeypatch):
+def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe():
     """Decode-sized INT4 passes on CUDA hand the shared expert and the residual add to
-    kdtree::int4_moe (one op call per MoE layer); the logits match the unfused path's."""
+    kdtree::int4_moe (the plan says so); the logits match the plan with the shared expert apart."""
     import torch_kdtree.models.kimi_k2.moe as moe_mod
     model = make_model(38, **INT4_SIZES, **GPU_HEADS)
     g = torch.Generator().manual_seed(39)
@@ -608,28 +597,21 @@ def test_cuda_int4_decode_takes_the_shared_expert_and_residual_into_int4_moe(mon
         experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
     model.to("cuda", torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 6), generator=g).cuda()
-    calls = []
-    real = moe_mod.int4_moe
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("shared") is not None and kwargs.get("residual") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_mod, "int4_moe", counting)
     logits = {}
     for fused in (True, False):
-        monkeypatch.setattr(moe_mod, "_INT4_SHARED", fused)
-        calls.clear()
         cache = KimiK2Cache.for_model(model, 2, 16, page_size=4, dtype=torch.bfloat16, device="cuda")
+        plan = model.model.plan_pass(2, 1, tree=True, cache=cache)
+        moe_layers = [lp for layer, lp in zip(model.model.layers, plan.layers) if isinstance(layer.mlp, moe_mod.KimiK2MoE)]
+        assert moe_layers and all(lp.experts == "int4_moe" and lp.shared == "fused" for lp in moe_layers)
+        if not fused:
+            plan = replace(plan, layers=tuple(replace(lp, shared="torch") if lp.experts else lp for lp in plan.layers))
         visible = torch.ones(2, 1, 1, dtype=torch.bool, device="cuda")
         out = []
         with torch.no_grad():
             for t in range(ids.shape[1]):
-                out.append(model(ids[:, t : t + 1], cache.lengths.long()[:, None], cache, visible).logits)
+                out.append(model(ids[:, t : t + 1], cache.lengths.long()[:, None], cache, visible, plan=plan).logits)
                 cache.advance(1)
         logits[fused] = torch.cat(out, dim=1)
-        moe_layers = sum(isinstance(layer.mlp, moe_mod.KimiK2MoE) for layer in model.model.layers)
-        assert moe_layers >= 1 and calls == [fused] * (ids.shape[1] * moe_layers)  # decode: 2 rows, 2 k slots
     assert rel_err(logits[True].float(), logits[False].float()) <= 2e-2
 
 
@@ -702,35 +684,6 @@ def test_decode_step_reduce_overhead_uses_cuda_graphs():
     assert compiled_cache.lengths.tolist() == [12, 12]
 
 
-def test_compiled_gemv_form_equals_the_linear_layers(monkeypatch):
-    """The decode-sized multiply + sum form (gemv.py; CUDA + torch.compile only) computes the
-    same projections: forced on here under a compiling backend, the MLP, the router and a
-    decode step's attention projections equal their eager module calls."""
-    from torch_kdtree.models.kimi_k2 import gemv
-
-    torch.manual_seed(31)
-    mlp = KimiK2MLP(32, 48)
-    x = torch.randn(2, 1, 32)
-    calls = []
-    real = gemv.matvec
-
-    def counted(x, w):
-        calls.append(tuple(w.shape))
-        return real(x, w)
-
-    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(gemv, "matvec", counted)
-    with torch.no_grad():
-        want = mlp(x)
-        got = torch.compile(lambda x: mlp(x), backend="aot_eager", fullgraph=True)(x)
-    assert calls == [(48, 32), (48, 32), (32, 48)]  # the form really ran, for all three
-    assert rel_err(got, want) <= 1e-6
-    with torch.no_grad():  # too many rows: the module call
-        calls.clear()
-        torch.compile(lambda x: mlp(x), backend="aot_eager", fullgraph=True)(torch.randn(8, 32))
-    assert calls == []
-
-
 def test_rank_topk_equals_topk_with_lower_index_first_on_ties():
     from torch_kdtree.models.kimi_k2.moe import rank_topk
 
@@ -769,37 +722,6 @@ def test_moe_block_calls_a_hooked_router_as_a_module():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("T,E,want_rank", [(17, 64, True), (1024, 64, True), (1025, 64, False), (28, 384, True),
-                                           (29, 384, False)])
-def test_router_uses_rank_topk_for_small_compiled_batches(T, E, want_rank, monkeypatch):
-    """Compiled on CUDA (forced here), the router picks experts by rank counting up to T * E^2 <=
-    2^22 (the tree verify's rows too, not only decode's): same ids and weights as eager topk."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    cfg = KimiK2Config(hidden_size=32, n_routed_experts=E, num_experts_per_tok=8, n_group=1, topk_group=1,
-                       norm_topk_prob=True, routed_scaling_factor=2.5)
-    router = moe.KimiK2Router(cfg)
-    g = torch.Generator().manual_seed(T + E)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(E, 32, generator=g))
-        router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
-    x = torch.randn(T, 32, generator=g)
-    want_ids, want_w = router(x)  # eager: topk
-    calls = []
-    real = moe.rank_topk
-    monkeypatch.setattr(moe, "rank_topk", lambda c, k: calls.append(c.shape) or real(c, k))
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", False)  # the torch code path (kdtree::moe_route aside)
-    torch._dynamo.reset()
-    try:
-        ids, w = torch.compile(router, backend="aot_eager", fullgraph=True)(x)
-    finally:
-        torch._dynamo.reset()
-    assert bool(calls) == want_rank
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(w, want_w)
-
-
 def call_maybe_compiled(fn, compiled: bool, *args):
     """fn(*args), eagerly or through torch.compile(fullgraph=True) (aot_eager: traced, no codegen)."""
     if not compiled:
@@ -811,298 +733,26 @@ def call_maybe_compiled(fn, compiled: bool, *args):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_bf16_decode_layers_use_fused_gemv(compiled, monkeypatch):
-    """On CUDA (forced here; the op's CPU kernel runs) a bf16 decode pass of <= 4 rows computes each
-    layer's projections with kdtree::gemv: q_a + kv_a (input norm inside), q_b (q_a_layernorm
-    inside), o_proj (+ residual) and the dense layer's gate + up (post-attention norm inside) and
-    down (SwiGLU + residual): the same logits as the module calls, eager and compiled (fullgraph),
-    and five rows (past FUSED_ROWS) keep the module calls."""
-    from torch_kdtree.models.kimi_k2 import gemv
-
-    model = make_model(23, first_k_dense_replace=1, num_hidden_layers=2).to(torch.bfloat16)
-    g = torch.Generator().manual_seed(23)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 9)]
-
-    def bf16_cache():
-        cache = KimiK2Cache.for_model(model, 2, 64, page_size=4, dtype=torch.bfloat16)
-        lengths = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(2, int(lengths.max()), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = p
-        model(ids, cache=cache, input_lengths=lengths, return_logits=False)
-        cache.advance(lengths)
-        return cache
-
-    tokens = torch.randint(0, VOCAB, (2, 3), generator=g)
-    visible = torch.ones(2, 1, 1, dtype=torch.bool)
-    plain_cache, fused_cache = bf16_cache(), bf16_cache()
-    want = decode_one_by_one(model, plain_cache, tokens)
-    calls = []
-    real = gemv.fused_gemv
-
-    def counted(x, weights, *args, **kwargs):
-        calls.append(tuple(w.shape[0] for w in weights))
-        return real(x, weights, *args, **kwargs)
-
-    from torch_kdtree.models.kimi_k2 import modeling, moe
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)  # the router's launch too (route_gemv)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)   # the shared expert inside moe_gemv
-    monkeypatch.setattr(modeling, "fused_gemv", counted)
-    monkeypatch.setattr(moe, "fused_gemv", counted)
-    # the routing from route_gemv (x from the router's launch, the choice from moe_route after it):
-    # moe_gemv gets the router's logits as route_logits
-    settled = []
-    real_moe_gemv = moe.moe_gemv
-
-    def moe_gemv_spy(*a, **kw):
-        settled.append(kw["route_logits"] is not None)
-        return real_moe_gemv(*a, **kw)
-
-    monkeypatch.setattr(moe, "moe_gemv", moe_gemv_spy)
-    monkeypatch.setattr(moe, "_SHARED_EARLY", True)
-    step = decode_step
-    if compiled:
-        torch._dynamo.reset()
-        step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
-    try:
-        got = torch.cat([step(model, fused_cache, tokens[:, t : t + 1], fused_cache.lengths.long()[:, None], visible)
-                         for t in range(3)], dim=1)
-    finally:
-        torch._dynamo.reset()
-    cfg = model.config
-    q_a, kv_a = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    q_b = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    layer0 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.intermediate_size, cfg.intermediate_size),
-              (cfg.hidden_size,)]
-    layer1 = [(q_a, kv_a), (q_b,), (cfg.hidden_size,), (cfg.n_routed_experts,)]  # ..., o_proj, norm + router
-    assert calls == (layer0 + layer1) * 3  # per step (dynamo replays the list's appends)
-    assert settled == [True] * 3
-    assert rel_err(got.float(), want.float()) <= 3e-2
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    calls.clear()  # five rows: module calls
-    cache5 = KimiK2Cache.for_model(model, 5, 32, page_size=4, dtype=torch.bfloat16)
-    model(torch.zeros(5, 1, dtype=torch.long), cache5.lengths.long()[:, None], cache5,
-          torch.ones(5, 1, 1, dtype=torch.bool))
-    assert calls == []
-    # a hooked attention or MLP module (a parallelism wrapper expecting forward(x)) keeps module calls
-    handles = [model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: None),
-               model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: None)]
-    model(tokens[:, :1], fused_cache.lengths.long()[:, None], fused_cache, visible)
-    for hd in handles:
-        hd.remove()
-    assert calls == layer1
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("shared", [1, 0], ids=["shared", "no_shared"])
-def test_decode_router_takes_the_norm_into_one_gemv(compiled, shared, monkeypatch):
-    """On CUDA (forced here; the ops' CPU kernels run) a decode-sized bf16 MoE block whose experts run
-    in kdtree::moe_gemv computes the post-attention norm and the router's fp32 logits in one
-    kdtree::gemv launch (route_gemv) and chooses with kdtree::moe_route: the normalised input is
-    norm(h) exactly, the choice is the router's own and the block's output equals forward(norm(h))
-    up to the fp32 sums' order.  INT4 experts, experts outside moe_gemv, hooks and fp32 weights keep
-    the modules."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-    from torch_kdtree.models.kimi_k2.modeling import KimiK2RMSNorm
-
-    def block_for(cfg, seed):
-        torch.manual_seed(seed)
-        block, norm = moe.KimiK2MoE(cfg), KimiK2RMSNorm(cfg.hidden_size, 1e-6)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(0, 0.2)
-            block.gate.e_score_correction_bias.normal_(0, 0.1)
-            norm.weight.uniform_(0.5, 1.5)
-        return block.to(torch.bfloat16), norm.to(torch.bfloat16)
-
-    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
-                                                num_experts_per_tok=4, n_group=4, topk_group=2,
-                                                n_shared_experts=shared))
-    block, norm = block_for(cfg, 7)
-    h = (torch.randn(3, 1, 64) * 2).to(torch.bfloat16)
-    want_routing = block.gate(norm(h).view(3, -1))
-    want = block(norm(h))  # module calls, on CPU
-    calls = []
-    real = moe.fused_gemv
-
-    def counted(x, weights, *args, **kwargs):
-        calls.append((tuple(w.shape[0] for w in weights), kwargs.get("fp32_outputs"), kwargs.get("return_input")))
-        return real(x, weights, *args, **kwargs)
-
-    assert not block.router_gemv_ok(h, norm)  # CPU
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(gemv, "_HAS_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "fused_gemv", counted)
-    assert block.router_gemv_ok(h, norm)
-
-    def step(h):
-        x, routing, logits = block.route_gemv(h, norm)
-        assert logits.dtype == torch.float32 and logits.shape == (h.shape[0] * h.shape[1], 16)
-        return x, routing, block(x, routing=routing, route_logits=logits)
-
-    x, routing, got = call_maybe_compiled(step, compiled, h)
-    assert calls == [((16,), 1, True)]
-    assert torch.equal(x, norm(h))
-    assert torch.equal(routing[0], want_routing[0])
-    torch.testing.assert_close(routing[1], want_routing[1], rtol=1e-5, atol=1e-6)
-    assert rel_err(got.float(), want.float()) <= 2e-2
-    # off: a hook on the router (a tensor-parallel wrapper), fp32 inputs, experts outside moe_gemv,
-    # INT4 experts, the switch
-    handle = block.gate.register_forward_pre_hook(lambda m, a: None)
-    assert not block.router_gemv_ok(h, norm)
-    handle.remove()
-    assert not block.router_gemv_ok(h.float(), norm.float())
-    assert not block.router_gemv_ok(torch.randn(5, 1, 64).to(torch.bfloat16), norm)  # past FUSED_ROWS
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", False)
-    assert not block.router_gemv_ok(h, norm)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    int4_cfg = KimiK2Config.from_dict(k2_config_dict(**INT4_SIZES, moe_intermediate_size=64, n_routed_experts=16,
-                                                     num_experts_per_tok=4, n_shared_experts=shared))
-    int4_block, int4_norm = block_for(int4_cfg, 8)
-    g = torch.Generator().manual_seed(8)
-    H = int4_cfg.hidden_size
-    int4_block.experts.set_int4(*_random_int4(16, 64, H, g), *_random_int4(16, 64, H, g),
-                                *_random_int4(16, H, 64, g))
-    assert not int4_block.router_gemv_ok(torch.randn(1, 1, H).to(torch.bfloat16), int4_norm)
-    monkeypatch.setattr(moe, "_ROUTER_GEMV", False)
-    assert not block.router_gemv_ok(h, norm)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_bf16_decode_moe_takes_the_shared_expert_into_moe_gemv(compiled, monkeypatch):
-    """On CUDA (forced here) a decode-sized bf16 MoE block makes one kdtree::moe_gemv call that also
-    computes the shared expert: the routed + shared sum of the module calls (bf16 tolerance)."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
-                                                num_experts_per_tok=4))
-    torch.manual_seed(5)
-    block = moe.KimiK2MoE(cfg)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    block.to(torch.bfloat16)
-    x = torch.randn(2, 1, 64).to(torch.bfloat16)
-    want = block(x)  # module calls (no CUDA here)
-    calls = []
-    real = moe.moe_gemv
-    monkeypatch.setattr(moe, "moe_gemv", lambda *a, **kw: calls.append((len(a), a[9] is not None,
-                                                                        kw["route_logits"] is not None))
-                        or real(*a, **kw))
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "_SHARED_EARLY", True)
-    got = call_maybe_compiled(block, compiled, x)
-    # x, three expert stacks, ids, weights, the three shared weights and no residual; the router ran
-    # inside the block: its logits go along as route_logits where it chose in kdtree::moe_route
-    # (a machine with that CUDA kernel), not where it chose with torch ops
-    hinted = block.gate.route_op_fits()
-    assert calls == [(10, False, hinted)]
-    assert rel_err(got.float(), want.float()) <= 2e-2
-    # the decoder layer's residual add goes into the same call (the down kernel's epilogue)
-    calls.clear()
-    r = torch.randn(2, 1, 64).to(torch.bfloat16) * 3
-    got_r = call_maybe_compiled(lambda x, r: block(x, residual=r), compiled, x, r)
-    assert calls == [(10, True, hinted)]
-    assert torch.equal(got_r, r + got)
-
-
-def test_moe_block_takes_the_residual_only_where_moe_gemv_fuses_it(monkeypatch):
-    """KimiK2MoE.fuses_residual: true for a bf16 block with a shared expert on the (forced) CUDA
-    moe_gemv path; false with a hook on the block (a tensor-parallel wrapper reducing its output),
-    without a shared expert, past moe_gemv's token-slots, or on CPU."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    cfg = KimiK2Config.from_dict(k2_config_dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16,
-                                                num_experts_per_tok=4))
-    block = moe.KimiK2MoE(cfg).to(torch.bfloat16)
-    x = torch.randn(2, 1, 64).to(torch.bfloat16)
-    assert not block.fuses_residual(x)  # CPU: no moe_gemv kernel
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    assert block.fuses_residual(x)
-    assert not block.fuses_residual(torch.randn(moe._MOE_GEMV_SLOTS, 64).to(torch.bfloat16))
-    handle = block.register_forward_hook(lambda m, a, out: None)
-    assert not block.fuses_residual(x)
-    handle.remove()
-    assert block.fuses_residual(x)
-    block.shared_experts = None
-    assert not block.fuses_residual(x)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_router_uses_moe_route_on_cuda(compiled, monkeypatch):
-    """On CUDA (forced here; the op's CPU kernel runs) the router's choice is one kdtree::moe_route
-    call, eager and compiled (fullgraph): the ids and weights of its torch code."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    cfg = KimiK2Config(hidden_size=32, n_routed_experts=64, num_experts_per_tok=8, n_group=4, topk_group=2,
-                       norm_topk_prob=True, routed_scaling_factor=2.5)
-    router = moe.KimiK2Router(cfg)
-    g = torch.Generator().manual_seed(77)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(64, 32, generator=g))
-        router.e_score_correction_bias.copy_(torch.randn(64, generator=g) * 0.1)
-    x = torch.randn(3, 32, generator=g)
-    want_ids, want_w = router(x)  # torch ops (no CUDA here)
-    calls = []
-    real = moe.moe_route
-    monkeypatch.setattr(moe, "moe_route", lambda *a: calls.append(a[2:]) or real(*a))
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(moe, "_HAS_MOE_ROUTE_CUDA", True)
-    ids, w = call_maybe_compiled(router, compiled, x)
-    assert calls == [(8, 4, 2, True, 2.5)]
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(w, want_w)
-
-
-def test_router_mm_never_fits_cpu_inputs(monkeypatch):
-    """KimiK2Router.mm_fits (the fp32-output GEMM for logits of passes too large for the multiply +
-    sum): never for CPU x, even where a test pretends to be on a GPU (gemv._on_gpu), since
-    aten::mm.dtype has no CPU kernel in torch 2.11.  The CUDA side of the rule: the test below."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
-
-    router = moe.KimiK2Router(KimiK2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4))
-    monkeypatch.setattr(moe, "_HAS_MM_OUT_DTYPE", True)
-    monkeypatch.setattr(moe, "_ROUTER_MM", True)
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        router.to(dtype)
-        x = torch.randn(17, 32).to(dtype)
-        assert not router.mm_fits(x)
-        assert router.logits(x).dtype == torch.float32  # F.linear on fp32 copies
-
-
 @pytest.mark.skipif(not HAS_CUDA or not hasattr(torch.ops.aten.mm, "dtype"), reason="needs CUDA and aten::mm.dtype")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_router_mm_logits_match_the_fp32_product(compiled, dtype, monkeypatch):
-    """With KDTREE_ROUTER_MM the router's logits of a verify-sized pass (17 rows of K2's hidden size,
+def test_cuda_router_mm_logits_match_the_fp32_product(compiled, dtype):
+    """The plan's "mm" router logits of a verify-sized pass (17 rows of K2's hidden size,
     384 experts) come from one fp32-output GEMM of the 16-bit values: equal to the fp32 product of
     the upcast values up to the order of the fp32 sums, eager and compiled (fullgraph, inductor)."""
-    from torch_kdtree.models.kimi_k2 import moe
+    from torch_kdtree.models.kimi_k2 import fused, moe
 
-    monkeypatch.setattr(moe, "_ROUTER_MM", True)
     router = moe.KimiK2Router(KimiK2Config(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=8))
     g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,))))
     with torch.no_grad():
         router.weight.copy_(torch.randn(384, 7168, generator=g, device="cuda") / 84.7)
     router.to("cuda", dtype)
     x = torch.randn(17, 7168, generator=g, device="cuda").to(dtype)
-    assert router.mm_fits(x)
-    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
-    assert not router.mm_fits(x[None]) and not router.mm_fits(x.to(other)) and not router.mm_fits(x.float())
-    monkeypatch.setattr(moe, "_ROUTER_MM", False)
-    assert not router.mm_fits(x)
-    monkeypatch.setattr(moe, "_ROUTER_MM", True)
     want = (x.double() @ router.weight.double().T).float()  # the exact products, summed in fp64
     torch._dynamo.reset()
     try:
-        fn = torch.compile(router.logits, fullgraph=True) if compiled else router.logits
+        fn = (lambda x: fused.router_logits(router, x, "mm"))
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
         got = fn(x)
     finally:
         torch._dynamo.reset()
@@ -1113,35 +763,205 @@ def test_cuda_router_mm_logits_match_the_fp32_product(compiled, dtype, monkeypat
     assert bool(((fp32 - want).abs() <= bound + 1e-30).all())  # the oracle's bound holds for F.linear too
 
 
-@pytest.mark.parametrize("T,k,want_op", [(1, 8, True), (4, 8, True), (5, 8, False), (17, 8, False)])
-def test_bf16_decode_experts_use_moe_gemv(T, k, want_op, monkeypatch):
-    """On CUDA (forced here) bf16 experts with at most 32 token-slots go to kdtree::moe_gemv, eager
-    and compiled (fullgraph), and give the per-row expert formula; larger batches keep the other
-    paths."""
-    from torch_kdtree.models.kimi_k2 import gemv, moe
+# --------------------------------------------------------------------------------------------
+# the decode plan and the fused forms it selects
+# --------------------------------------------------------------------------------------------
 
-    torch.manual_seed(T)
+def _kernel_plan(model, R: int, N: int, *, compiled: bool = False, device: str = "cpu", keys: int = 64):
+    """The plan of an R x N tree pass with every kdtree kernel (on the CPU their reference kernels
+    run): the fused forms CUDA would take, runnable here."""
+    from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
+
+    return plan_pass(model, tokens=N, rows=R * N, tree=True, target=Target(device, compiled, ALL), cache_keys=keys)
+
+
+def test_plan_picks_the_decode_kernels_by_shape_and_says_why_not():
+    """What the plan decides for a K2-shaped bf16 model on CUDA: the whole decode path fused at one
+    token, mla_prepare for a few rows, the general forms for a tree verify; INT4 blocks keep
+    inductor's router; hooks, fp32 weights, other latent sizes and long caches fall back with a note;
+    the CPU runs the reference forwards."""
+    from torch_kdtree.models.kimi_k2.plan import Target, plan_pass
+
+    model = make_model(40, num_hidden_layers=2).to(torch.bfloat16)
+    one = _kernel_plan(model, 1, 1, compiled=True, device="cuda")
+    dense, moe_layer = one.layers
+    assert (dense.attention, dense.qkv, dense.mlp, dense.matvec) == ("decode", "gemv_norm", "gemv_norm", True)
+    assert (moe_layer.router, moe_layer.route, moe_layer.experts, moe_layer.shared, moe_layer.route_hint) == \
+        ("gemv_norm", "moe_route", "moe_gemv", "fused", True)
+    two = _kernel_plan(model, 2, 1, compiled=True, device="cuda").layers[1]
+    assert (two.attention, two.qkv) == ("prepare", "gemv_norm")
+    verify = _kernel_plan(model, 1, 17, compiled=True, device="cuda").layers[1]
+    assert (verify.attention, verify.qkv, verify.matvec, verify.router, verify.experts, verify.shared) == \
+        ("tree_op", "torch", False, "mm", "grouped_mm", "torch")
+    assert not _kernel_plan(model, 1, 17, device="cpu").layers[1].router == "mm"  # aten::mm.dtype: CUDA only
+    long_cache = _kernel_plan(model, 1, 1, device="cuda", keys=2048)
+    assert long_cache.layers[0].attention == "prepare_output" and "mla_decode" in str(long_cache)
+    # rank_topk where the [T, E, E] comparison is small; moe_route whenever its kernel exists
+    wide = make_model(40, num_hidden_layers=2, n_routed_experts=64, num_experts_per_tok=8)
+    for rows, want in ((1024, "rank_topk"), (1025, "topk")):  # rows * E^2 <= 2^22
+        p = plan_pass(wide, tokens=rows, rows=rows, tree=True, target=Target("cuda", True, frozenset()))
+        assert p.layers[1].route == want, rows
+    # INT4 experts: the shared expert inside int4_moe, the router in inductor's kernels
+    int4 = make_model(41, **INT4_SIZES, num_hidden_layers=2)
+    experts = int4.model.layers[1].mlp.experts
+    E, I, H = experts.gate_proj.shape
+    g = torch.Generator().manual_seed(41)
+    experts.set_int4(*_random_int4(E, I, H, g), *_random_int4(E, I, H, g), *_random_int4(E, H, I, g))
+    lp = _kernel_plan(int4.to(torch.bfloat16), 1, 1, compiled=True, device="cuda").layers[1]
+    assert (lp.experts, lp.shared, lp.router) == ("int4_moe", "fused", "matvec")
+    # fp32 weights: no gemv kernels
+    assert _kernel_plan(make_model(42, num_hidden_layers=2), 1, 1, device="cuda").layers[0].qkv == "torch"
+    # hooks: a parallelism wrapper's module calls stay module calls
+    handle = model.model.layers[1].mlp.gate.register_forward_pre_hook(lambda m, a: None)
+    hooked = _kernel_plan(model, 1, 1, device="cuda")
+    handle.remove()
+    assert hooked.layers[1].router == "module" and "hooked MoE block" in str(hooked)
+    # latent sizes other than K2's: the torch tree attention, said once
+    small = make_model(43, kv_lora_rank=32, qk_rope_head_dim=8, num_hidden_layers=3).to(torch.bfloat16)
+    p = _kernel_plan(small, 1, 1, device="cuda")
+    assert {lp.attention for lp in p.layers} == {"torch"}
+    assert sum("latent 32 + rope 8" in r for r in p.reasons) == 1
+    # the CPU: every layer's reference forward
+    cpu = plan_pass(model, tokens=1, rows=1, tree=True, target=Target("cpu", True))
+    assert all(lp.reference for lp in cpu.layers) and cpu == cpu.reference()
+    assert "layer 1: attention=torch qkv=torch router=linear route=topk experts=gathered" in str(cpu)
+
+
+@pytest.mark.parametrize("R,N,compiled", [(1, 1, False), (2, 1, True), (1, 4, False), (1, 9, True)])
+def test_fused_forms_equal_the_reference_forward(R, N, compiled):
+    """Every fused form a plan selects (run here through the kdtree ops' reference kernels, eager and
+    compiled with fullgraph) gives the reference forward's logits (bf16 tolerance)."""
+    model = make_model(44, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8).to(torch.bfloat16)
+    plan = _kernel_plan(model, R, N, compiled=compiled)
+    assert not all(lp.reference for lp in plan.layers)
+    g = torch.Generator().manual_seed(45 + N)
+    prompt = torch.randint(0, VOCAB, (R, 6), generator=g)
+    tokens = torch.randint(0, VOCAB, (R, N), generator=g)
+    visible = torch.tril(torch.ones(N, N, dtype=torch.bool)).expand(R, N, N).contiguous()
+    outs = []
+    for p in (plan.reference(), plan):
+        cache = KimiK2Cache.for_model(model, R, 32, page_size=8, dtype=torch.bfloat16)
+        model(prompt, cache=cache)
+        cache.advance(6)
+        positions = cache.lengths.long()[:, None] + torch.arange(N)
+        fn = lambda t, pos, p=p, cache=cache: model(t, pos, cache, visible, plan=p).logits  # noqa: E731
+        outs.append(call_maybe_compiled(fn, compiled and p is plan, tokens, positions))
+    assert rel_err(outs[1].float(), outs[0].float()) <= 3e-2
+
+
+def test_a_plan_for_another_pass_shape_is_refused():
+    model = make_model(46)
+    cache = KimiK2Cache.for_model(model, 1, 16, page_size=4, dtype=torch.float32)
+    plan = model.model.plan_pass(1, 1, tree=True, cache=cache)
+    with pytest.raises(ValueError, match="plan is for 1 rows of 1 tokens"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache.lengths.long()[:, None] + torch.arange(2), cache,
+              torch.ones(1, 2, 2, dtype=torch.bool), plan=plan)
+
+
+def test_torch_tree_attention_equals_the_mla_tree_attention_op():
+    """The reference forward's tree attention (torch ops over every position the block table
+    reaches) gives the kdtree::mla_tree_attention path's logits (fp32) on a tree with branches."""
+    model = make_model(47, num_hidden_layers=2)
+    g = torch.Generator().manual_seed(47)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=g)
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1])
+    visible = torch.eye(4, dtype=torch.bool)
+    for i in range(4):
+        j = int(parents[i])
+        while j >= 0:
+            visible[i, j] = True
+            j = int(parents[j])
+    visible = visible.expand(2, 4, 4).contiguous()
+    depth = visible.sum(-1) - 1
+    reference = model.model.plan_pass(2, 4, tree=True)
+    op_plan = replace(reference, layers=tuple(replace(lp, attention="tree_op") for lp in reference.layers))
+    outs = []
+    for plan in (reference, op_plan):
+        cache = KimiK2Cache.for_model(model, 2, 16, page_size=4, dtype=torch.float32)
+        model(prompt, cache=cache)
+        cache.advance(5)
+        outs.append(model(tokens, cache.lengths.long()[:, None] + depth, cache, visible, plan=plan).logits)
+    assert rel_err(outs[0], outs[1]) <= 1e-5
+
+
+def test_router_choice_forms_equal_torch_topk():
+    """moe_route (its reference kernel here) and rank_topk choose the experts of the router's torch
+    code, eager and compiled (fullgraph), ties to the lower id; the plan's logits forms equal F.linear."""
+    from torch_kdtree.models.kimi_k2 import fused, moe
+
+    for E, n_group, topk_group, T in ((64, 4, 2, 3), (64, 1, 1, 17), (384, 1, 1, 28)):
+        cfg = KimiK2Config(hidden_size=32, n_routed_experts=E, num_experts_per_tok=8, n_group=n_group,
+                           topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5)
+        router = moe.KimiK2Router(cfg)
+        g = torch.Generator().manual_seed(E + T)
+        router.weight.copy_(torch.randn(E, 32, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+        x = torch.randn(T, 32, generator=g)
+        want_ids, want_w = router(x)
+        logits = router.logits(x)
+        torch.testing.assert_close(fused.router_logits(router, x, "matvec"), logits, rtol=1e-5, atol=1e-5)
+        for how in ("moe_route", "rank_topk"):
+            for compiled in (False, True):
+                ids, w = call_maybe_compiled(lambda lg: fused.route(router, lg, how), compiled, logits)
+                assert torch.equal(ids, want_ids), (E, how, compiled)
+                torch.testing.assert_close(w, want_w)
+
+
+@pytest.mark.parametrize("shared", [1, 0], ids=["shared", "no_shared"])
+def test_moe_block_forms_equal_its_reference(shared):
+    """fused.moe under each form the plan can give a decode-sized bf16 block (the norm and logits in
+    one gemv, moe_route, moe_gemv with the shared expert and the residual inside, and the unfused
+    forms) equals h + block(norm(h)) (bf16 tolerance), eager and compiled."""
+    from torch_kdtree.models.kimi_k2 import fused
+
+    model = make_model(48, num_hidden_layers=2, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                       topk_group=2, n_shared_experts=shared).to(torch.bfloat16)
+    layer = model.model.layers[1]
+    block, norm = layer.mlp, layer.post_attention_layernorm
+    h = (torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(48)) * 2).to(torch.bfloat16)
+    want = h + block(norm(h))
+    lp = _kernel_plan(model, 3, 1, compiled=True).layers[1]
+    assert (lp.router, lp.experts, lp.shared) == ("gemv_norm", "moe_gemv", "fused" if shared else "none")
+    forms = [lp, replace(lp, router="linear", route="topk", shared="torch" if shared else "none", route_hint=False),
+             replace(lp, experts="row_gemv", shared="torch" if shared else "none", route_hint=False),
+             replace(lp, experts="looped", router="matvec", shared="torch" if shared else "none", route_hint=False)]
+    for form in forms:
+        for compiled in (False, True) if form.experts != "looped" else (False,):
+            got = call_maybe_compiled(lambda h: fused.moe(block, form, h, norm), compiled, h)
+            assert rel_err(got.float(), want.float()) <= 2e-2, (form, compiled)
+
+
+def test_decode_moe_plan_follows_moe_gemv_slots():
+    """bf16 experts go to kdtree::moe_gemv up to 32 token-slots (decode of up to 4 requests at top-8),
+    and fused.experts("moe_gemv") gives the gathered reference."""
+    from torch_kdtree.models.kimi_k2 import fused
+
+    model = make_model(49, num_hidden_layers=2, num_experts_per_tok=8).to(torch.bfloat16)
+    for R, want in ((4, "moe_gemv"), (5, "grouped_mm")):
+        assert _kernel_plan(model, R, 1, device="cuda").layers[1].experts == want
     experts = KimiK2Experts(16, 64, 32)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     experts.to(torch.bfloat16)
-    x = torch.randn(T, 64).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(16)[:k] for _ in range(T)]).int()
-    w = torch.rand(T, k)
-    with torch.no_grad():
-        want = experts._gathered(x, ids, w)
-    calls = []
-    real = moe.moe_gemv
-    monkeypatch.setattr(moe, "moe_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(moe, "_HAS_MOE_GEMV_CUDA", True)
-    monkeypatch.setattr(moe, "_grouped_mm", None)  # no CUDA grouped GEMM on this CPU run
-    with torch.no_grad():
-        got = experts(x, ids, w)
-        torch._dynamo.reset()
-        try:
-            compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)(x, ids, w)
-        finally:
-            torch._dynamo.reset()
-    assert len(calls) == (2 if want_op else 0)
-    assert rel_err(got.float(), want.float()) <= 1e-2 and rel_err(compiled.float(), want.float()) <= 1e-2
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(16)[:8] for _ in range(4)]).int()
+    w = torch.rand(4, 8)
+    for compiled in (False, True):
+        got = call_maybe_compiled(lambda x: fused.experts(experts, "moe_gemv", x, ids, w), compiled, x)
+        assert rel_err(got.float(), experts(x, ids, w).float()) <= 1e-2
+
+
+def test_compiled_gemv_form_equals_the_linear_layers():
+    """The decode-sized multiply + sum form (gemv.py; compiled CUDA passes) computes the same
+    projections as the module calls, and huge weights keep the GEMM."""
+    from torch_kdtree.models.kimi_k2 import fused, gemv
+
+    torch.manual_seed(31)
+    mlp = KimiK2MLP(32, 48)
+    x = torch.randn(2, 1, 32)
+    got = call_maybe_compiled(lambda x: fused.mlp(mlp, x, True), True, x)
+    assert rel_err(got, mlp(x)) <= 1e-6
+    assert gemv.products_as_matvec(True, mlp.gate_proj.weight)
+    assert not gemv.products_as_matvec(True, torch.empty(gemv.GEMV_MAX_WEIGHT + 1, 1))
+    assert not gemv.products_as_matvec(False, mlp.gate_proj.weight)

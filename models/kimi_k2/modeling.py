@@ -20,7 +20,6 @@ shard) are read from weight shapes, so TP is applied from outside.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -30,50 +29,18 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from torch_kdtree.ops import mla_decode, mla_prepare, mla_tree_attention, mla_tree_attention_output
-
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
+from . import fused
 from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
-from .gemv import fused_gemv, linear, plain_bf16, use_fused, use_gemv_rows
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
+from .plan import PassPlan, plan_pass, target_of
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
 LATENT_NORM_EPS = 1e-6
-
-# kdtree::mla_prepare / mla_tree_attention_output in tree passes (KimiK2Attention.prepare_op_ok /
-# output_op_ok):
-# "auto" (default: CUDA, bf16, at most PREPARE_ROWS / OUTPUT_ROWS tokens), "0" (never: the torch
-# ops) or "always" (also on CPU and for any pass size, where the ops run their references; tests).
-# Read at import, a constant for torch.compile.
-_MLA_PREPARE = os.environ.get("KDTREE_MLA_PREPARE", "auto")
-if _MLA_PREPARE not in ("auto", "0", "always"):
-    raise ValueError(f"KDTREE_MLA_PREPARE must be auto, 0 or always, got {_MLA_PREPARE!r}")
-_HAS_MLA_PREPARE_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::mla_prepare", "CUDA")
-# Tokens per tree pass (R * N) up to which the ops replace the torch forms: the sizes measured
-# faster on the H200 (RESULTS.md, runs 49-50).  mla_prepare at 1 and 4 tokens (3.3-3.7 us against
-# inductor's 6.2-8.8); mla_output at 1 token (1.7 us against 1.9-2.1), but at 4 tokens it was slower
-# on the K2 rank (3.3 against 2.7 us: it walks the tokens one after another).  Single-token passes
-# now take mla_tree_attention_output, whose merge kernel does mla_output's product with the same
-# bits and saves the combine launch (run 58: 2p2b 0.6321, k2_slice 0.4038 ms per step, against
-# 0.6464 and 0.4108 in run 57).  Larger passes (tree verify) keep the torch forms until measured.
-PREPARE_ROWS = 4
-OUTPUT_ROWS = 1
-# kdtree::mla_decode (mla_prepare, the attention and the W_UV product in one launch) for passes of one
-# token (KimiK2Attention.decode_op_ok): "auto" (default: where mla_prepare and the single-token
-# output op would run and the latent sizes are K2's), "0" (never: A/B runs) or "always" (any
-# one-token-per-request pass, also on CPU where the op runs its reference; tests).  Read at import.
-_MLA_DECODE = os.environ.get("KDTREE_MLA_DECODE", "auto")
-# Each head's cluster of 8 blocks reads every key of the request (the three-kernel path reads them once
-# for all heads), so its time grows faster with the context: in isolation (RESULTS.md, run 76) it beat
-# that path up to ~512 keys with 16 heads and ~1024 with 8, and lost 2x at 4096; in the model, with
-# an 832-position cache, it saved 2-4 % a step.  Caches larger than this keep the three kernels.
-DECODE_MAX_KEYS = 1024
-if _MLA_DECODE not in ("auto", "0", "always"):
-    raise ValueError(f"KDTREE_MLA_DECODE must be auto, 0 or always, got {_MLA_DECODE!r}")
 
 
 class KimiK2RMSNorm(nn.Module):
@@ -198,29 +165,14 @@ class KimiK2Attention(nn.Module):
         self.softmax_scale = config.softmax_scale
         self.rope_interleave = config.rope_interleave is not False
 
-    def fused_ok(self, h: torch.Tensor, norm: "KimiK2RMSNorm") -> bool:
-        """Whether a tree pass over the residual stream ``h`` takes the fused decode path: the
-        layer's input ``norm`` inside the q_a / kv_a (or q / kv_a) projections' kernel, q_a_layernorm
-        inside q_b's, the residual add inside o_proj's (``kdtree::gemv``, :func:`use_fused`)."""
-        projections = (self.q_proj,) if hasattr(self, "q_proj") else (self.q_a_proj, self.q_a_layernorm, self.q_b_proj)
-        hooked = self._forward_hooks or self._forward_pre_hooks  # a wrapper expecting normalised input
-        return not hooked and use_fused(h, norm, self.kv_a_proj_with_mqa, self.o_proj, *projections)
-
-    def _projections(self, x, norm=None):
+    def _projections(self, x):
         """x [R, T, H] -> q [R, T, h * (dn + dr)] (q_b_proj or q_proj) and ckv [R, T, dc + dr]
-        (kv_a_proj_with_mqa).  With ``norm`` (the fused path, :meth:`fused_ok`) x is the residual
-        stream and ``norm`` runs inside the kernel of the projections that read it."""
-        if norm is not None:
-            first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
-            q, ckv = fused_gemv(x, [first.weight, self.kv_a_proj_with_mqa.weight], norm.weight, norm.eps)
-            if not hasattr(self, "q_proj"):
-                (q,) = fused_gemv(q, [self.q_b_proj.weight], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
-            return q, ckv
+        (kv_a_proj_with_mqa)."""
         if hasattr(self, "q_proj"):
-            q = linear(self.q_proj, x)
+            q = self.q_proj(x)
         else:
-            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
-        return q, linear(self.kv_a_proj_with_mqa, x)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q, self.kv_a_proj_with_mqa(x)
 
     def _rotate(self, x, q, ckv, cos, sin):
         """(q, ckv) -> q_nope [R, T, h, dn], rotated q_rope [R, T, h, dr], and the cache entries
@@ -237,17 +189,34 @@ class KimiK2Attention(nn.Module):
         w = self.kv_b_proj.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, layer_idx: int,
-                norm: Optional["KimiK2RMSNorm"] = None) -> torch.Tensor:
-        """Attention of the normalised hidden states ``x``.  With ``norm`` (tree passes that
-        :meth:`fused_ok` accepts), ``x`` is the residual stream itself and the result is
-        ``x + attention(norm(x))``, with the norm and the residual add inside the GEMV kernels."""
-        if norm is not None and not isinstance(batch, _Tree):
-            raise ValueError("KimiK2Attention: the fused norm / residual path is for tree passes only")
-        q, ckv = self._projections(x, norm)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, layer_idx: int) -> torch.Tensor:
+        """Attention of the normalised hidden states ``x``: the expanded form for a prefill, the
+        absorbed form (:meth:`tree_attention`) for a tree pass."""
+        q, ckv = self._projections(x)
+        q_nope, q_rope, latent = self._rotate(x, q, ckv, cos, sin)
         if isinstance(batch, _Tree):
-            return self._absorbed(x, q, ckv, cos, sin, batch, layer_idx, residual=x if norm is not None else None)
-        return self._expanded(x, *self._rotate(x, q, ckv, cos, sin), batch, layer_idx)
+            return self.o_proj(self.tree_attention(q_nope, q_rope, latent, batch, layer_idx))
+        return self._expanded(x, q_nope, q_rope, latent, batch, layer_idx)
+
+    def tree_attention(self, q_nope, q_rope, latent, batch: "_Tree", layer_idx: int) -> torch.Tensor:
+        """Absorbed MLA in torch ops, for any latent size: the nodes' cache entries written, then
+        per head q_abs = q_nope W_UK, MQA over every position the block table reaches (committed
+        positions visible to all, node j at ``lengths + j`` to the nodes that see it), out = o W_UV.
+        Returns the heads' values [R, N, h * dv] in q's dtype (fp32 scores and softmax)."""
+        cache = batch.cache
+        cache.write(layer_idx, batch.slots, latent)
+        R, N = q_nope.shape[:2]
+        w_uk, w_uv = self._kv_b()
+        q = torch.cat([torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk), q_rope], dim=-1).to(cache.kv.dtype).float()
+        S = cache.block_table.shape[1] * cache.page_size
+        keys = cache.read(layer_idx, S).float()  # [R, S, dc + dr]
+        pos = torch.arange(S, device=q.device)[None, :] - cache.lengths.long()[:, None]  # [R, S], node index if >= 0
+        node = pos.clamp(0, N - 1)[:, None, :].expand(R, N, S)
+        sees = (pos < 0)[:, None, :] | (batch.visible.gather(2, node) & (pos < N)[:, None, :])  # [R, N, S]
+        scores = torch.einsum("rnhc,rsc->rnhs", q, keys) * self.softmax_scale
+        p = scores.masked_fill(~sees[:, :, None, :], float("-inf")).softmax(-1)
+        o_lat = torch.einsum("rnhs,rsc->rnhc", p, keys[..., : self.kv_lora_rank]).to(q_nope.dtype)
+        return torch.einsum("rnhc,hdc->rnhd", o_lat, w_uv).reshape(R, N, -1)
 
     def _expanded(self, x, q_nope, q_rope, latent, batch: _Prefill, layer_idx):
         """Non-absorbed prefill: K/V per head from the latents of cache positions 0..S-1 (or of
@@ -267,94 +236,6 @@ class KimiK2Attention(nn.Module):
                                              attn_mask=batch.mask, scale=self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, heads * self.v_head_dim))
 
-    def prepare_op_ok(self, q: torch.Tensor, cache: KimiK2Cache) -> bool:
-        """Whether a tree pass computes the attention query with one ``kdtree::mla_prepare`` launch
-        (RoPE, kv_a_layernorm, the cache write, the W_UK absorption): ``KDTREE_MLA_PREPARE`` is
-        ``always``, or unset / ``auto`` with the CUDA kernel built, q bf16 on CUDA with at most
-        PREPARE_ROWS tokens, a bf16 cache and plain bf16 kv_b_proj / kv_a_layernorm weights (no
-        DTensor, no hooks) of the kernel's sizes.  ``0`` keeps the torch ops (A/B runs)."""
-        if _MLA_PREPARE == "always":
-            return True
-        if _MLA_PREPARE != "auto" or not _HAS_MLA_PREPARE_CUDA:
-            return False
-        rows = q.numel() // q.shape[-1]
-        return (q.is_cuda and q.dtype == torch.bfloat16 and cache.kv.dtype == torch.bfloat16 and rows <= PREPARE_ROWS
-                and plain_bf16(self.kv_b_proj, self.kv_a_layernorm) and self.kv_lora_rank % 256 == 0
-                and self.kv_lora_rank <= 1024 and self.qk_nope_head_dim <= 256 and self.qk_rope_head_dim % 8 == 0
-                and self.qk_rope_head_dim <= 256)
-
-    def output_op_ok(self, rows: int, prepared: bool) -> bool:
-        """Whether the attention and the heads' values (W_UV) come from one
-        ``kdtree::mla_tree_attention_output`` call (its merge kernel does mla_output's product): a pass that
-        :meth:`prepare_op_ok` accepted (the same weights, dtypes and devices) with at most
-        OUTPUT_ROWS tokens, or ``KDTREE_MLA_PREPARE=always``."""
-        return _MLA_PREPARE == "always" or (prepared and rows <= OUTPUT_ROWS)
-
-    def decode_op_ok(self, N: int, rows: int, prepared: bool, cache: KimiK2Cache) -> bool:
-        """Whether a pass takes ``kdtree::mla_decode`` (``KDTREE_MLA_DECODE``): one node per
-        request, and with ``auto`` a pass that :meth:`prepare_op_ok` and :meth:`output_op_ok`
-        accepted, with K2's latent sizes (dc 512, dr 64), dn, dv <= 256 and a cache of at most
-        DECODE_MAX_KEYS positions per request (static: its block table's size)."""
-        if N != 1 or _MLA_DECODE == "0":
-            return False
-        if _MLA_DECODE == "always":
-            return True
-        keys = cache.block_table.shape[1] * cache.page_size
-        return (prepared and self.output_op_ok(rows, prepared) and self.kv_lora_rank == 512
-                and self.qk_rope_head_dim == 64 and self.qk_nope_head_dim <= 256 and self.v_head_dim <= 256
-                and keys <= DECODE_MAX_KEYS)
-
-    def _absorbed(self, x, q, ckv, cos, sin, batch: _Tree, layer_idx, residual=None):
-        """Absorbed MLA: q_abs = q_nope W_UK per head, MQA over the latent cache (d_k 576,
-        d_v 512), out = o_lat W_UV^T, o_proj (plus ``residual`` in o_proj's kernel, if given)."""
-        R, N = x.shape[:2]
-        cache = batch.cache
-        w_uk, w_uv = self._kv_b()
-        prepared = self.prepare_op_ok(q, cache)
-        if self.decode_op_ok(N, R * N, prepared, cache):  # the whole core in one launch
-            heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
-            out = mla_decode(q.reshape(R, heads, -1), ckv.reshape(R, -1), cos.reshape(R, -1), sin.reshape(R, -1),
-                             self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.kv_b_proj.weight, cache.kv,
-                             layer_idx, batch.slots.reshape(R), cache.block_table, cache.lengths, self.softmax_scale,
-                             self.rope_interleave, prefix_ready=True)
-            return self._o_proj(out.to(x.dtype).reshape(R, N, -1), residual)
-        if prepared:
-            M = R * N
-            heads = self.kv_b_proj.weight.shape[0] // (self.qk_nope_head_dim + self.v_head_dim)
-            q = mla_prepare(q.reshape(M, heads, -1), ckv.reshape(M, -1), cos.reshape(M, -1), sin.reshape(M, -1),
-                            self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.kv_b_proj.weight, cache.kv,
-                            layer_idx, batch.slots.reshape(M), self.rope_interleave).view(R, N, heads, -1)
-        else:
-            q_nope, q_rope, latent = self._rotate(x, q, ckv, cos, sin)
-            cache.write(layer_idx, batch.slots, latent)
-            # Decode-sized and compiled on CUDA: the per-head products as multiply + sum, which inductor
-            # emits as reduction kernels fused with their neighbours (no copy of q_nope, no batched GEMM).
-            if use_gemv_rows(R * N, x, w_uk):
-                q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
-            else:
-                q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
-            q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
-        # prefix_ready: the kernels just before this one write only q and the new tokens' rows; the
-        # lengths, block table and committed rows date from earlier steps.
-        if self.output_op_ok(R * N, prepared):  # the attention and W_UV in one op (one merge-output kernel)
-            out = mla_tree_attention_output(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
-                                            self.softmax_scale, self.kv_b_proj.weight, self.qk_nope_head_dim,
-                                            prefix_ready=True).to(x.dtype)
-            return self._o_proj(out.reshape(R, N, -1), residual)
-        o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
-                                   self.softmax_scale, prefix_ready=True)
-        if use_gemv_rows(R * N, x, w_uv):
-            out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
-        else:
-            out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
-        return self._o_proj(out.reshape(R, N, -1), residual)
-
-    def _o_proj(self, out: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
-        """o_proj of the heads' values [R, N, h * dv] (plus ``residual`` inside kdtree::gemv's kernel)."""
-        if residual is not None:
-            return fused_gemv(out, [self.o_proj.weight], residual=residual)[0]
-        return linear(self.o_proj, out)
-
 
 # --------------------------------------------------------------------------------------------
 # layers and models
@@ -372,24 +253,7 @@ class KimiK2DecoderLayer(nn.Module):
         self.post_attention_layernorm = KimiK2RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, batch, layer_idx: int) -> torch.Tensor:
-        # Decode-sized bf16 passes on CUDA: the norms and residual adds inside kdtree::gemv launches.
-        if isinstance(batch, _Tree) and self.self_attn.fused_ok(h, self.input_layernorm):
-            h = self.self_attn(h, cos, sin, batch, layer_idx, norm=self.input_layernorm)
-        else:
-            h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
-        if isinstance(self.mlp, KimiK2MLP) and self.mlp.fused_ok(h, self.post_attention_layernorm):
-            return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
-        if isinstance(self.mlp, KimiK2MoE):
-            logits = None  # moe_route's logits, computed from x (KimiK2MoE.forward's route_logits)
-            if self.mlp.router_fused_ok(h, self.post_attention_layernorm):
-                x, routing = self.mlp.route_fused(h, self.post_attention_layernorm)
-            elif self.mlp.router_gemv_ok(h, self.post_attention_layernorm):
-                x, routing, logits = self.mlp.route_gemv(h, self.post_attention_layernorm)
-            else:
-                x, routing = self.post_attention_layernorm(h), None
-            if self.mlp.fuses_residual(x):  # the residual add inside moe_gemv's / int4_moe's down kernel
-                return self.mlp(x, routing=routing, residual=h, route_logits=logits)
-            return h + self.mlp(x, routing=routing, route_logits=logits)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, layer_idx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -453,7 +317,8 @@ class KimiK2Model(KimiK2PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
-                input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = ()) -> KimiK2ModelOutput:
+                input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
+                plan: Optional[PassPlan] = None) -> KimiK2ModelOutput:
         """Run the decoder over ``input_ids`` [R, T].
 
         Tree verify / decode (``visible`` bool [R, N, N] given; ``cache`` and ``positions``
@@ -469,6 +334,9 @@ class KimiK2Model(KimiK2PreTrainedModel):
 
         ``tap_layers``: layer indices whose outputs (the residual stream after the layer) are
         returned concatenated, in the given order (the DFlash drafter's context).
+
+        ``plan``: the :class:`~.plan.PassPlan` of this pass shape (a generation session plans its
+        steps once); None plans it here (:meth:`plan_pass`).
         """
         R, T = input_ids.shape
         if visible is not None:
@@ -491,14 +359,31 @@ class KimiK2Model(KimiK2PreTrainedModel):
         if len(taps_at) != len(tap_layers) or any(not 0 <= i < len(self.layers) for i in taps_at):
             raise ValueError(f"KimiK2Model: tap_layers must be distinct layer indices in [0, {len(self.layers)}), "
                              f"got {list(tap_layers)}")
+        if plan is None:
+            plan = self.plan_pass(R, T, tree=visible is not None, cache=cache, dtype=self.embed_tokens.weight.dtype,
+                                  compiled=torch.compiler.is_compiling())
+        elif (plan.tree, plan.tokens, plan.rows) != (visible is not None, T, R * T):
+            raise ValueError(f"KimiK2Model: the plan is for {plan.rows} rows of {plan.tokens} tokens "
+                             f"({'tree' if plan.tree else 'prefill'}), this pass has R = {R}, T = {T} "
+                             f"({'tree' if visible is not None else 'prefill'})")
         cos, sin = self.rotary_emb(positions)
         h = self.embed_tokens(input_ids)
         taps = [None] * len(tap_layers)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, i)
+            lp = plan.layers[i]
+            h = layer(h, cos, sin, batch, i) if lp.reference else fused.layer_forward(layer, lp, h, cos, sin, batch, i)
             if i in taps_at:
                 taps[taps_at[i]] = h
         return KimiK2ModelOutput(self.norm(h), torch.cat(taps, dim=-1) if taps else None)
+
+    def plan_pass(self, R: int, T: int, *, tree: bool, cache: Optional[KimiK2Cache] = None,
+                  dtype: Optional[torch.dtype] = None, compiled: bool = False) -> PassPlan:
+        """The :class:`~.plan.PassPlan` of a pass of R requests of T tokens on this model's device
+        (a tree pass or a prefill; ``compiled``: under torch.compile), over ``cache``."""
+        keys = cache.block_table.shape[1] * cache.page_size if cache is not None else 0
+        return plan_pass(self, tokens=T, rows=R * T, tree=tree, target=target_of(self.embed_tokens.weight.device,
+                                                                                 compiled),
+                         dtype=dtype, cache_keys=keys)
 
     def _prefill_batch(self, input_ids, positions, cache, input_lengths) -> tuple[_Prefill, torch.Tensor]:
         R, T = input_ids.shape
@@ -547,7 +432,8 @@ class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
                 cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
                 input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
                 return_logits: bool = True, attention_mask: Optional[torch.Tensor] = None,
-                return_dict: bool = True, use_cache: Optional[bool] = None) -> KimiK2CausalLMOutput:
+                return_dict: bool = True, use_cache: Optional[bool] = None,
+                plan: Optional[PassPlan] = None) -> KimiK2CausalLMOutput:
         """:meth:`KimiK2Model.forward` plus ``lm_head``.  ``return_logits=False`` skips the
         full-vocabulary logits (``last_hidden_state`` is what ``lm_head`` would read), for
         callers that do argmax / top-K themselves or shard the vocabulary.
@@ -560,7 +446,8 @@ class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("KimiK2ForCausalLM: padded attention_mask is not supported; pass right-padded "
                              "input_ids with input_lengths")
-        out = self.model(input_ids, positions, cache, visible, input_lengths=input_lengths, tap_layers=tap_layers)
+        out = self.model(input_ids, positions, cache, visible, input_lengths=input_lengths, tap_layers=tap_layers,
+                         plan=plan)
         logits = self.lm_head(out.last_hidden_state) if return_logits else None
         return KimiK2CausalLMOutput(logits, out.last_hidden_state, out.taps)
 

@@ -1,0 +1,224 @@
+"""The fused forms a :class:`~.plan.PassPlan` selects, run from outside the modules.
+
+The modules in modeling.py and moe.py hold the reference forwards (torch ops; INT4 experts through
+``kdtree::int4_moe``, their only implementation).  :func:`layer_forward` runs one decoder layer as
+its :class:`~.plan.LayerPlan` says: the ``kdtree`` decode kernels with their fused prologues
+(RMSNorm) and epilogues (SwiGLU, the residual add), the MLA kernels, the MoE kernels, or the
+multiply + sum forms inductor turns into single reduction kernels.  Every choice was made by the
+plan; nothing here looks at devices, dtypes, hooks or the environment.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from torch_kdtree.ops import gemv as fused_gemv
+from torch_kdtree.ops import int4_moe, mla_decode, mla_prepare, mla_tree_attention, mla_tree_attention_output
+from torch_kdtree.ops import moe_gemv, moe_route
+
+from .gemv import linear, matvec, products_as_matvec
+from .moe import rank_topk
+from .plan import LayerPlan
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------
+
+def _projections(attn, x, norm, mv: bool):
+    """q [R, T, h * (dn + dr)] and ckv [R, T, dc + dr].  With ``norm``, x is the residual stream
+    and the norm runs inside the kdtree::gemv launch of the projections that read it."""
+    if norm is not None:
+        first = attn.q_proj if hasattr(attn, "q_proj") else attn.q_a_proj
+        q, ckv = fused_gemv(x, [first.weight, attn.kv_a_proj_with_mqa.weight], norm.weight, norm.eps)
+        if not hasattr(attn, "q_proj"):
+            (q,) = fused_gemv(q, [attn.q_b_proj.weight], attn.q_a_layernorm.weight, attn.q_a_layernorm.eps)
+        return q, ckv
+    if hasattr(attn, "q_proj"):
+        q = linear(attn.q_proj, x, mv)
+    else:
+        q = linear(attn.q_b_proj, attn.q_a_layernorm(linear(attn.q_a_proj, x, mv)), mv)
+    return q, linear(attn.kv_a_proj_with_mqa, x, mv)
+
+
+def _o_proj(attn, out, residual, mv: bool):
+    """o_proj of the heads' values [R, N, h * dv] (plus ``residual`` inside kdtree::gemv's kernel)."""
+    if residual is not None:
+        return fused_gemv(out, [attn.o_proj.weight], residual=residual)[0]
+    return linear(attn.o_proj, out, mv)
+
+
+def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None):
+    """The attention of a tree pass as ``lp`` says.  With ``norm`` (``lp.qkv == "gemv_norm"``) x is
+    the residual stream and the result is ``x + attention(norm(x))``."""
+    mv = lp.matvec
+    q, ckv = _projections(attn, x, norm, mv)
+    residual = x if norm is not None else None
+    R, N = x.shape[:2]
+    cache = batch.cache
+    heads = attn.kv_b_proj.weight.shape[0] // (attn.qk_nope_head_dim + attn.v_head_dim)
+    if lp.attention == "torch":
+        out = attn.tree_attention(*attn._rotate(x, q, ckv, cos, sin), batch, layer_idx)
+        return _o_proj(attn, out, residual, mv)
+    if lp.attention == "decode":  # RoPE, the norm, the cache write, W_UK, attention and W_UV in one launch
+        out = mla_decode(q.reshape(R, heads, -1), ckv.reshape(R, -1), cos.reshape(R, -1), sin.reshape(R, -1),
+                         attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, attn.kv_b_proj.weight, cache.kv,
+                         layer_idx, batch.slots.reshape(R), cache.block_table, cache.lengths, attn.softmax_scale,
+                         attn.rope_interleave, prefix_ready=True)
+        return _o_proj(attn, out.to(x.dtype).reshape(R, N, -1), residual, mv)
+    w_uk, w_uv = attn._kv_b()
+    if lp.attention in ("prepare", "prepare_output"):
+        M = R * N
+        q = mla_prepare(q.reshape(M, heads, -1), ckv.reshape(M, -1), cos.reshape(M, -1), sin.reshape(M, -1),
+                        attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, attn.kv_b_proj.weight, cache.kv,
+                        layer_idx, batch.slots.reshape(M), attn.rope_interleave).view(R, N, heads, -1)
+    else:  # "tree_op"
+        q_nope, q_rope, latent = attn._rotate(x, q, ckv, cos, sin)
+        cache.write(layer_idx, batch.slots, latent)
+        if products_as_matvec(mv, w_uk):  # a reduction kernel fused with its neighbours (no batched GEMM)
+            q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
+        else:
+            q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
+        q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
+    # prefix_ready: the kernels just before this one write only q and the new tokens' rows; the
+    # lengths, block table and committed rows date from earlier steps.
+    if lp.attention == "prepare_output":  # the attention and W_UV in one op (its merge kernel)
+        out = mla_tree_attention_output(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
+                                        attn.softmax_scale, attn.kv_b_proj.weight, attn.qk_nope_head_dim,
+                                        prefix_ready=True).to(x.dtype)
+        return _o_proj(attn, out.reshape(R, N, -1), residual, mv)
+    o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
+                               attn.softmax_scale, prefix_ready=True)
+    if products_as_matvec(mv, w_uv):
+        out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
+    else:
+        out = torch.einsum("rnhc,hdc->rnhd", o_lat.to(x.dtype), w_uv)
+    return _o_proj(attn, out.reshape(R, N, -1), residual, mv)
+
+
+# --------------------------------------------------------------------------------------------
+# feed-forward
+# --------------------------------------------------------------------------------------------
+
+def mlp(module, x, mv: bool):
+    """``down(silu(gate(x)) * up(x))`` with the multiply + sum linears where ``mv``."""
+    return linear(module.down_proj, F.silu(linear(module.gate_proj, x, mv)) * linear(module.up_proj, x, mv), mv)
+
+
+def mlp_gemv_norm(module, h, norm):
+    """``h + MLP(norm(h))`` in two kdtree::gemv launches (the norm inside gate/up's, SwiGLU and the
+    residual add inside down's)."""
+    g, u = fused_gemv(h, [module.gate_proj.weight, module.up_proj.weight], norm.weight, norm.eps)
+    return fused_gemv(g, [module.down_proj.weight], up=u, residual=h)[0]
+
+
+def route(gate, logits, how: str):
+    """(topk_ids int32 [T, k], topk_weights fp32 [T, k]) from the router's fp32 logits."""
+    if how == "moe_route":
+        return moe_route(logits, gate.e_score_correction_bias.float(), gate.top_k, gate.n_group, gate.topk_group,
+                         bool(gate.norm_topk_prob), float(gate.routed_scaling_factor))
+    return gate.route(logits, topk=rank_topk if how == "rank_topk" else None)
+
+
+def router_logits(gate, x, how: str):
+    if how == "matvec":
+        return matvec(x, gate.weight)
+    if how == "mm":  # tensor cores, fp32 accumulation of the exact 16-bit products
+        return torch.mm(x, gate.weight.t(), out_dtype=torch.float32)
+    return gate.logits(x)
+
+
+def experts(module, how: str, x, topk_ids, topk_weights):
+    if how == "moe_gemv":
+        return moe_gemv(x, module.gate_proj, module.up_proj, module.down_proj, topk_ids, topk_weights)
+    if how == "row_gemv":
+        return _row_gemv(module, x, topk_ids, topk_weights)
+    if how == "grouped_mm":
+        return _grouped(module, x, topk_ids, topk_weights)
+    if how == "looped":
+        return module.looped(x, topk_ids, topk_weights)
+    return module(x, topk_ids, topk_weights)  # the reference: int4_moe, or the gathered weights
+
+
+def moe(block, lp: LayerPlan, h, norm):
+    """``h + MoE(norm(h))`` as ``lp`` says."""
+    shape = h.shape
+    h2 = h.reshape(-1, shape[-1])
+    gate, shared = block.gate, block.shared_experts
+    if lp.router == "gemv_norm":  # the norm as the prologue of the router's launch, returned
+        logits, x = fused_gemv(h2, [gate.weight], norm.weight, norm.eps, fp32_outputs=1, return_input=True)
+    else:
+        x = norm(h2)
+        if lp.router == "module":  # hooked: the block's own forward, as a module
+            return h + block(x.view(shape))
+        logits = router_logits(gate, x, lp.router)
+    topk_ids, topk_weights = route(gate, logits, lp.route)
+    if lp.shared == "fused":  # the shared expert and the residual inside the experts' two launches
+        sw = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        if lp.experts == "int4_moe":
+            y = int4_moe(x, block.experts.int4_weights(), topk_ids, topk_weights, shared=sw, residual=h2)
+        else:
+            e = block.experts
+            y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, *sw, h2,
+                         route_logits=logits if lp.route_hint else None)
+        return y.view(shape)
+    y = experts(block.experts, lp.experts, x, topk_ids, topk_weights)
+    if shared is not None:
+        y = y + mlp(shared, x, lp.matvec)
+    return h + y.view(shape)
+
+
+def _grouped(module, x, topk_ids, topk_weights):
+    """Rows sorted by expert, one ``grouped_mm`` per projection (fixed shapes, no host sync)."""
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(module.gate_proj.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    rows = x[order // k]
+    h = F.silu(_grouped_mm(rows, module.gate_proj.transpose(1, 2), offs=offs)) * \
+        _grouped_mm(rows, module.up_proj.transpose(1, 2), offs=offs)
+    y_sorted = _grouped_mm(h, module.down_proj.transpose(1, 2), offs=offs)
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    return (y.view(T, k, -1).float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
+def _row_gemv(module, x, topk_ids, topk_weights):
+    """``W[ids] @ x`` per (token, slot) as a product and a sum, which inductor fuses into reduction
+    kernels with indirect weight loads (no gathered copy, no sort).  fp32 accumulation; gate/up and
+    the expert outputs are rounded to x's dtype where the GEMM path rounds them."""
+    ids = topk_ids.long()
+    xf = x.float()[:, None, None, :]
+    gate = (xf * module.gate_proj[ids].float()).sum(-1).to(x.dtype)  # [T, k, I]
+    up = (xf * module.up_proj[ids].float()).sum(-1).to(x.dtype)
+    h = (F.silu(gate) * up).float()[:, :, None, :]
+    y = (h * module.down_proj[ids].float()).sum(-1).to(x.dtype)  # [T, k, H]
+    return (y.float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# the layer
+# --------------------------------------------------------------------------------------------
+
+def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int) -> torch.Tensor:
+    """One decoder layer as ``lp`` says (the same function as ``layer(h, ...)``)."""
+    attn = layer.self_attn
+    if lp.attention == "expanded":  # prefill: the reference attention
+        h = h + attn(layer.input_layernorm(h), cos, sin, batch, layer_idx)
+    elif lp.qkv == "gemv_norm":
+        h = attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm)
+    else:
+        h = h + attention(attn, lp, layer.input_layernorm(h), cos, sin, batch, layer_idx)
+    if lp.experts:
+        return moe(layer.mlp, lp, h, layer.post_attention_layernorm)
+    if lp.mlp == "gemv_norm":
+        return mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm)
+    return h + mlp(layer.mlp, layer.post_attention_layernorm(h), lp.matvec)
+
+
+__all__ = ["layer_forward", "attention", "moe", "mlp", "experts", "route"]
