@@ -2,18 +2,30 @@
 
 A step with budget B costs t(B) (measured on this device: every candidate's captured step is
 timed once when the session is built, then re-measured from the segments that run it) and
-accepts a(B) tokens per request on average.  The planner picks ``argmax_B a(B) / t(B)``.
+accepts a(B) tokens per request on average.  The planner runs ``argmax_B a(B) / t(B)``; B = 0
+(an autoregressive step) always accepts exactly 1, so it is the fallback that never loses.
 
 a(B) is observed without running every budget: the first b pops of a best-first build are the
 whole tree of budget b (same heap, same order), and the target's token at a node does not depend
 on the other nodes (attention sees the ancestors only; with sampling, its draw is independent of
 them), so a step at budget B also tells how many tokens a step at any b <= B would have accepted
 -- exactly for greedy decoding, with the same draws for sampling: the accepted path's nodes with
-index <= b (indices grow along a path).  The step accumulates these counterfactual lengths on the device for every candidate
-b <= B; B = 0 (an autoregressive step) always accepts exactly 1.  Larger budgets are only seen
-when one runs, so the planner explores with the largest candidate in the first segment and
-every ``explore_every`` segments after that.  Estimates are exponential moving averages over
-segments (weight ``decay`` on the past), so the choice follows the text as it changes.
+index <= b (indices grow along a path).  The step accumulates these counterfactual lengths on the
+device for every candidate b <= B.  Estimates are averages whose weight halves every
+``half_life`` steps of generation, so they follow the text as it changes.
+
+Running the chosen budget refreshes a(b) for every b below it; only larger budgets need
+exploring, and one step at the largest refreshes all of them.  Exploring is what can make "auto"
+slower than its best budget (with a useless drafter a B = 64 step costs ~5x an autoregressive
+one for ~1 token), so it is bounded.  The planner explores one step per segment
+(``segment_steps``): at the start (nothing is known), and then only once the other steps since
+the last exploration took ``1 / share`` times as long as it did, so exploring takes at most
+``share`` of the time.  While autoregressive decoding looks best an exploration goes on, a step
+at a time (``max_explore_steps`` at most), until no tree could still win given how few steps its
+a(b) rests on (it measures no tree, so a good drafter written off by a few unlucky steps would
+stay written off); otherwise it is one step.  An exploration that finds nothing better halves
+``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
+drafter is looked at less often, a change of text is followed at once.
 """
 from __future__ import annotations
 
@@ -23,50 +35,92 @@ AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 class FixedBudget:
     """One budget for the whole generation."""
 
+    segment_steps = None  # the session's own segment length
+
     def __init__(self, budget: int):
         self.current = budget
         self.candidates = (budget,)
 
-    def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None) -> None:
+    def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None,
+                steps: int = 1) -> None:
         pass
 
 
 class BudgetPlanner:
-    """The ``tree_budget="auto"`` cost model (module docstring).
+    """The ``tree_budget="auto"`` cost model and its bounded exploration (module docstring).
 
     Args:
         candidates: budgets with a captured step (0 = autoregressive, needs no draft).
-        step_seconds: measured seconds per step of each candidate at this batch size.
-        explore_every: every this many segments, run the largest candidate to refresh a(B) for all.
-        decay: weight of the old estimate in each moving-average update.
+        step_seconds: measured seconds per step of each candidate at this batch size (the
+            session measures them once, before generation; nothing is re-measured here).
+        share: exploring steps take at most this fraction of the time (before back-off).
+        max_backoff: how many times explorations that find nothing may halve ``share``.
+        max_explore_steps: the longest one exploration runs while its answer is unclear.
+        z: how many standard errors a(b) may be off before an exploration counts as clear.
+        half_life: steps of generation after which an accept observation weighs half.
+        decay: weight of the old step time in each moving-average update.
+
+    ``current`` is the budget of the next segment and ``segment_steps`` its length (None: the
+    session's ``sync_every``).
     """
 
-    def __init__(self, candidates, step_seconds: dict[int, float], *, explore_every: int = 8, decay: float = 0.5):
+    def __init__(self, candidates, step_seconds: dict[int, float], *, share: float = 0.02, max_backoff: int = 1,
+                 max_explore_steps: int = 16, z: float = 1.5, half_life: float = 16.0, decay: float = 0.5):
         self.candidates = tuple(sorted(set(candidates)))
         missing = [b for b in self.candidates if b not in step_seconds]
         if missing:
             raise ValueError(f"BudgetPlanner: no measured step time for budgets {missing}")
         self.seconds = {b: float(step_seconds[b]) for b in self.candidates}
         self.accept = {b: (1.0 if b == 0 else None) for b in self.candidates}
-        self.explore_every, self.decay = explore_every, decay
-        self.segments = 0
-        self.current = self.candidates[-1]
+        self.weight = {b: 0.0 for b in self.candidates}  # request-steps behind accept[b], aged
+        self.share, self.max_backoff, self.max_explore_steps = share, max_backoff, max_explore_steps
+        self.z, self.half_life, self.decay = z, half_life, decay
+        self.largest = self.candidates[-1]
+        self.best = self.candidates[0]
+        self.backoff = 0
+        self.clock = 0.0  # modelled seconds of generation so far (steps x t(budget))
+        self.explored_at = self.explore_cost = 0.0  # when the last exploration ended, what it cost
+        self.exploring = False
         self.history: list[dict] = []
+        if self.largest > self.best:  # nothing is known of any tree yet
+            self._start_exploring()
+        self._plan()
 
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
-
-    def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None) -> None:
-        """One segment ran at ``budget``: ``accepted[b] = (sum of counterfactual accept lengths,
-        number of request-steps)`` for candidates b <= budget; ``seconds_per_step`` measured."""
+    def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None,
+                steps: int = 1) -> None:
+        """One segment of ``steps`` steps ran at ``budget``: ``accepted[b] = (sum of counterfactual
+        accept lengths, number of request-steps)`` for candidates b <= budget;
+        ``seconds_per_step`` measured (None: not timed)."""
+        age = 0.5 ** (steps / self.half_life)
+        for b in self.candidates:
+            self.weight[b] *= age
         for b, (total, count) in accepted.items():
             if b in self.accept and b != 0 and count > 0:
-                self.accept[b] = self._mix(self.accept[b], total / count)
+                old, w = self.accept[b] or 0.0, self.weight[b]
+                self.accept[b] = (old * w + total) / (w + count)
+                self.weight[b] = w + count
         if seconds_per_step is not None and budget in self.seconds:
-            self.seconds[budget] = self._mix(self.seconds[budget], seconds_per_step)
-        self.segments += 1
-        self.current = self.choose()
-        self.history.append({"budget": budget, "next": self.current,
+            self.seconds[budget] = self.decay * self.seconds[budget] + (1 - self.decay) * seconds_per_step
+        self.clock += steps * self.seconds.get(budget, 0.0)
+        exploring = self.exploring
+        before, self.best = self.best, self.choose()
+        if exploring:
+            self.explore_steps += steps
+            self.explore_cost += steps * self.seconds.get(budget, 0.0)
+            unclear = self._unclear()
+            if self.explore_steps >= self.max_explore_steps or not unclear:
+                self.exploring, self.explored_at = False, self.clock
+                if self.best == self.explore_from and not unclear:  # it found nothing: look less often
+                    self.backoff = min(self.backoff + 1, self.max_backoff)
+        if self.best != before:  # the text changed, or exploring paid off: look as often as allowed
+            self.backoff = 0
+        # an exploration of s seconds is followed by s / share seconds of other steps (share
+        # halved per back-off), so exploring takes at most `share` of the time after the first
+        if not self.exploring and self.best < self.largest and \
+                self.clock - self.explored_at >= self.explore_cost * 2 ** self.backoff / self.share:
+            self._start_exploring()
+        self._plan()
+        self.history.append({"budget": budget, "steps": steps, "explore": exploring, "next": self.current,
                              "tokens_per_s": {b: self.rate(b) for b in self.candidates}})
 
     def rate(self, budget: int) -> float | None:
@@ -75,10 +129,37 @@ class BudgetPlanner:
         return None if a is None else a / self.seconds[budget]
 
     def choose(self) -> int:
-        if self.segments % self.explore_every == 0:
-            return self.candidates[-1]
+        """The budget with the most expected tokens per second among those seen."""
         known = [b for b in self.candidates if self.accept[b] is not None]
         return max(known, key=self.rate)
+
+    def _unclear(self) -> bool:
+        """Could a tree still beat autoregressive decoding, given how few steps its a(b) rests
+        on?  Asked only while autoregressive decoding is best: it measures no tree, so a tree
+        written off by a few unlucky steps stays written off until the next exploration (a tree
+        chosen too eagerly is measured by running it).  To win, b must accept need = t(b) / t(0).
+        The drafts a step accepts (a - 1) vary about as much as their mean (near-geometric
+        lengths: often none, sometimes many), so if b just won, a(b) - 1 from w request-steps
+        would rarely fall more than z standard errors, z (need - 1) / sqrt(w), below need - 1."""
+        if self.best != 0:
+            return False
+        for b in self.candidates:
+            a, w = self.accept[b], self.weight[b]
+            if b > 0 and a is not None and w > 0:
+                need = self.seconds[b] / self.seconds[0]
+                if a - 1 >= (need - 1) * (1 - self.z / w ** 0.5):
+                    return True
+        return False
+
+    def _start_exploring(self) -> None:
+        self.exploring, self.explore_from = True, self.best
+        self.explore_steps, self.explore_cost = 0, 0.0
+
+    def _plan(self) -> None:
+        # one step at the largest budget measures a(b) of every budget; one step per segment, so
+        # an exploration stops as soon as its answer is clear
+        self.current = self.largest if self.exploring else self.best
+        self.segment_steps = 1 if self.exploring else None
 
 
 __all__ = ["AUTO_BUDGETS", "BudgetPlanner", "FixedBudget"]

@@ -21,11 +21,12 @@ commit nothing, emit nothing and write only at positions the next tree overwrite
 
 On CUDA the host looks at the device every ``sync_every`` steps (default 8: one ~10-50 us
 stall per 8 steps), or sooner when fewer steps can still be needed (each step emits at least
-one token per running request), so at most 7 steps run after the last request finishes; that
-is when finished requests are noticed, streamers get tokens and the budget planner updates.
-On the CPU, where every op completes before the next is issued, it looks after every step.  A step may emit
-past EOS or ``max_new_tokens``; the output is truncated afterwards, exactly where
-autoregressive generation stops.
+one token per running request) or when the budget planner explores (one step, budget.py), so at
+most 7 steps run after the last request finishes; that is when finished requests are noticed,
+streamers get tokens and the budget planner updates.  On the CPU, where every op completes
+before the next is issued, it looks after every step.  A step may emit past EOS or
+``max_new_tokens``; the output is truncated afterwards, exactly where autoregressive generation
+stops.
 """
 from __future__ import annotations
 
@@ -417,8 +418,9 @@ class GenerationSession:
         """Step until every request is finished, looking at the device every ``sync_every``
         steps on CUDA (every step on the CPU) or sooner when fewer steps can still be needed.
 
-        ``policy`` gives the budget (``.current``) and sees each segment's counterfactual
-        accept lengths and step time (``.observe``, budget.py); ``on_poll()`` runs after each
+        ``policy`` gives the budget (``.current``) and the segment's length (``.segment_steps``,
+        at most ``sync_every``; None: ``sync_every``) and sees each segment's counterfactual
+        accept lengths, step time and steps (``.observe``, budget.py); ``on_poll()`` runs after each
         look.  Returns the budget of every step, the profile rows (``profile=True``: eager
         steps with per-phase times) and ``step_seconds``, the time spent inside the steps
         (CUDA events around each step; no prefill, no oracle look-ahead, no host gaps).
@@ -430,7 +432,9 @@ class GenerationSession:
             if len(budgets) > self.max_new + self.sync_every:
                 raise RuntimeError("generate: requests did not finish within max_new_tokens steps (internal error)")
             budget = policy.current
-            steps = min(self.sync_every if cuda else 1, remaining)
+            # the policy may ask for a shorter segment (one exploring step, budget.py); never longer
+            steps = min(getattr(policy, "segment_steps", None) or self.sync_every, self.sync_every if cuda else 1,
+                        remaining)
             self._timing = [] if not profile else None
             for _ in range(steps):
                 if profile:
@@ -441,7 +445,7 @@ class GenerationSession:
             remaining = self.remaining()
             seconds = self._timed_seconds() if not profile else sum(r["total_ms"] for r in rows[-steps:]) / 1e3
             step_seconds += seconds
-            policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps)
+            policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps, steps)
             if on_poll is not None:
                 on_poll()
         return {"budgets": budgets, "profile": rows, "step_seconds": step_seconds}

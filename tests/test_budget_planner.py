@@ -1,0 +1,174 @@
+"""``tree_budget="auto"`` (models/generation/budget.py) in simulation: the planner is fed
+synthetic segments, no model runs and no clock is read.
+
+Step times are the H200's (2p2b, issue 44: AR 0.564 ms, B = 4 / 16 / 64 at 3.6 / 4.4 / 5.2x AR;
+8 and 32 in between) and a faster tree step (B = 16 at 2.6x AR, issue 44's target).  Each step
+accepts 1 + (a(B) - 1) x drafts, x ~ Exp(1) drawn once per request-step and shared by every b
+(so the counterfactual lengths grow with b, as a real step's do) -- as noisy as the near-geometric
+accept lengths of a real drafter: often ~none, sometimes many.  Simulated tokens per second over
+a 2,000-token generation of "auto" are compared with autoregressive decoding and the best fixed
+budget, each simulated the same way.  These are simulations, not GPU measurements.
+"""
+import random
+import statistics
+import types
+
+import pytest
+
+from torch_kdtree.models.generation import AUTO_BUDGETS, BudgetPlanner, FixedBudget, GenerationSession
+
+AR_SECONDS = 0.564e-3
+H200 = {0: 1.0, 4: 3.6, 8: 4.0, 16: 4.4, 32: 4.8, 64: 5.2}  # step time / AR step time
+FAST = {0: 1.0, 4: 2.0, 8: 2.2, 16: 2.6, 32: 3.2, 64: 4.2}
+RANDOM = {4: 1.02, 8: 1.03, 16: 1.04, 32: 1.05, 64: 1.05}  # a(B): random drafter weights
+GOOD = {4: 2.9, 8: 3.6, 16: 4.3, 32: 4.7, 64: 5.0}  # a(B) rising to 4-5
+STRONG = {4: 4.2, 8: 5.6, 16: 7.5, 32: 8.5, 64: 9.0}  # ~95 % oracle
+SEEDS = range(12)
+
+
+def simulate(policy, times, accept, *, tokens=2000, R=1, sync_every=8, seed=0):
+    """Tokens per AR-step time of one generation: segments as GenerationSession.run cuts them on
+    CUDA (``segment_steps``, at most ``sync_every``); ``accept(tokens so far)`` gives a(B)."""
+    rng = random.Random(seed)
+    made = clock = 0.0
+    while made < tokens:
+        budget, a = policy.current, accept(made)
+        steps = min(policy.segment_steps or sync_every, sync_every)
+        sums = {b: [0.0, 0] for b in times if 0 < b <= budget}
+        for _ in range(steps):
+            for _ in range(R):
+                x = rng.expovariate(1.0)
+                for b in sums:
+                    sums[b][0] += 1 + (a[b] - 1) * x
+                    sums[b][1] += 1
+                made += (1 + (a[budget] - 1) * x if budget else 1) / R
+            clock += times[budget]
+        policy.observe(budget, {b: tuple(v) for b, v in sums.items()}, times[budget] * AR_SECONDS, steps)
+    return made / clock
+
+
+def auto(times):
+    return BudgetPlanner(AUTO_BUDGETS, {b: t * AR_SECONDS for b, t in times.items()})
+
+
+def mean_rate(make_policy, times, accept, **kw):
+    return statistics.mean(simulate(make_policy(), times, accept, seed=s, **kw) for s in SEEDS)
+
+
+def steady(a):
+    return lambda made: a
+
+
+def switching(first, second, at=1000):
+    return lambda made: first if made < at else second
+
+
+@pytest.mark.parametrize("times", [H200, FAST], ids=["h200", "fast_tree"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_useless_drafter_costs_less_than_3_percent_of_autoregressive(times, R):
+    for seed in SEEDS:
+        planner = auto(times)
+        rate = simulate(planner, times, steady(RANDOM), R=R, seed=seed)
+        assert rate >= 0.97, (seed, rate)  # AR makes 1 token per AR-step time
+        explored = sum(h["steps"] * times[h["budget"]] for h in planner.history if h["explore"])
+        first = sum(h["steps"] * times[h["budget"]] for h in planner.history[: 16] if h["explore"])
+        assert explored - first <= planner.share * 2000 / rate  # the share bound, after the first look
+
+
+@pytest.mark.parametrize("times,accept", [(H200, GOOD), (H200, STRONG), (FAST, GOOD), (FAST, STRONG)],
+                         ids=["h200_good", "h200_strong", "fast_good", "fast_strong"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_good_drafter_gets_the_best_fixed_budgets_rate(times, accept, R):
+    fixed = {b: mean_rate(lambda b=b: FixedBudget(b), times, steady(accept), R=R) for b in times}
+    best = max(fixed, key=fixed.get)
+    rate = mean_rate(lambda: auto(times), times, steady(accept), R=R)
+    assert rate >= 0.95 * fixed[best], (rate, fixed)
+    planner = auto(times)
+    simulate(planner, times, steady(accept), R=4)
+    used = {}
+    for h in planner.history:
+        used[h["budget"]] = used.get(h["budget"], 0) + h["steps"] * times[h["budget"]]
+    top = max(used, key=used.get)
+    assert fixed[top] >= 0.97 * fixed[best], (top, best, fixed)  # most of the time at a best-rate budget
+
+
+@pytest.mark.parametrize("times,good", [(H200, STRONG), (FAST, GOOD)], ids=["h200_strong", "fast_good"])
+@pytest.mark.parametrize("R", [1, 4])
+def test_follows_good_text_then_random_text(times, good, R):
+    """1,000 tokens the drafter predicts well, then 1,000 it does not."""
+    best_good = max(good.get(b, 1.0) / t for b, t in times.items())
+    ideal = 2000 / (1000 / best_good + 1000)  # the best budget of each half, switched at once
+    accept = switching(good, RANDOM)
+    rate = mean_rate(lambda: auto(times), times, accept, R=R)
+    fixed = max(mean_rate(lambda b=b: FixedBudget(b), times, accept, R=R) for b in times)
+    assert rate >= 0.92 * ideal and rate >= 1.05 * fixed, (rate, ideal, fixed)
+    planner = auto(times)
+    simulate(planner, times, accept, R=R)
+    tail = planner.history[-len(planner.history) // 3:]  # well inside the random half
+    ar = sum(h["steps"] for h in tail if h["budget"] == 0) / sum(h["steps"] for h in tail)
+    assert ar >= 0.9, ar
+
+
+def test_finds_the_drafter_when_random_text_turns_good():
+    """The other way round it takes an exploration (bounded, so not at once), but it comes."""
+    accept = switching(RANDOM, STRONG)
+    rate = mean_rate(lambda: auto(H200), H200, accept, R=4)
+    ideal = 2000 / (1000 + 1000 * H200[32] / STRONG[32])  # AR, then B = 32
+    assert rate >= 0.9 * ideal and rate >= 1.15, (rate, ideal)  # AR: 1.0
+
+
+def test_exploration_waits_for_its_share_of_the_time_and_backs_off():
+    planner = BudgetPlanner((0, 64), {0: 1.0, 64: 5.0}, share=0.05, max_backoff=2)
+    looks = []
+    while len(looks) < 4:
+        if planner.current == 64:
+            looks.append(planner.clock)
+            planner.observe(64, {64: (4.0, 4.0)}, 5.0, 1)  # 4 requests, nothing extra: clear at once
+        else:
+            planner.observe(0, {}, 1.0, 8)
+    # one step of 5 s, each finding nothing: then 5 / 0.05 = 100 s of other steps, doubled per
+    # back-off (at most twice)
+    assert looks == [0.0, 205.0, 610.0, 1015.0] and planner.backoff == 2
+    planner.observe(0, {}, 1.0, 8)
+    while planner.current != 64:
+        planner.observe(0, {}, 1.0, 8)
+    planner.observe(64, {64: (40.0, 4.0)}, 5.0, 1)  # the text changed: a(64) = 10
+    assert (planner.current, planner.segment_steps, planner.backoff) == (64, None, 0)
+
+
+def test_an_unclear_first_look_goes_on_while_no_tree_is_ruled_out():
+    planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})  # 16 wins with a(16) >= 4
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # one step, nothing extra accepted: no proof yet
+    assert (planner.current, planner.segment_steps) == (16, 1)
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # three steps: 0 < 3 (1 - 1.5 / sqrt(3)) drafts
+    assert (planner.current, planner.segment_steps) == (0, None)
+
+
+class _Policy:
+    def __init__(self, plan):
+        self.plan, self.seen = list(plan), []
+        self.current, self.segment_steps = self.plan.pop(0)
+
+    def observe(self, budget, accepted, seconds_per_step, steps):
+        self.seen.append((budget, steps))
+        if self.plan:
+            self.current, self.segment_steps = self.plan.pop(0)
+
+
+@pytest.mark.parametrize("device,expected", [("cuda", [(64, 1), (4, 8), (4, 3)]), ("cpu", [(64, 1)] + [(4, 1)] * 11)])
+def test_session_run_honours_segment_steps(device, expected):
+    """GenerationSession.run cuts segments of ``policy.segment_steps`` steps, at most sync_every
+    (1 on the CPU), and never more than can still be needed."""
+    left = [12]
+
+    def step(budget):
+        left[0] -= 1
+
+    fake = types.SimpleNamespace(device=types.SimpleNamespace(type=device), sync_every=8, max_new=64, _timing=None,
+                                 remaining=lambda: left[0], step=step, _timed_seconds=lambda: 1.0,
+                                 take_counterfactuals=lambda: {})
+    policy = _Policy([(64, 1)] + [(4, None)] * 20)
+    run = GenerationSession.run(fake, policy)
+    assert policy.seen == expected
+    assert run["budgets"] == [64] + [4] * 11
