@@ -166,7 +166,7 @@ def test_session_run_honours_segment_steps(device, expected):
         left[0] -= 1
 
     fake = types.SimpleNamespace(device=types.SimpleNamespace(type=device), sync_every=8, max_new=64, _timing=None,
-                                 remaining=lambda: left[0], step=step, _timed_seconds=lambda: 1.0,
+                                 tp=None, remaining=lambda: left[0], step=step, _timed_seconds=lambda: 1.0,
                                  take_counterfactuals=lambda: {})
     policy = _Policy([(64, 1)] + [(4, None)] * 20)
     run = GenerationSession.run(fake, policy)
