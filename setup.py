@@ -3,9 +3,11 @@
 CUDA kernels are compiled whenever nvcc is found (no GPU is needed to build) for
 TORCH_CUDA_ARCH_LIST, default "9.0;12.0".  KDTREE_BUILD_CUDA=0 forces a CPU-only build
 (schemas only; the CPU kernels are the pure-torch references), KDTREE_BUILD_CUDA=1 fails
-loudly when CUDA cannot be built.
+loudly when CUDA cannot be built.  Every switch is declared in torch_kdtree/envs.py, loaded here by
+its path (the package itself cannot be imported before its extension is built).
 """
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -16,12 +18,21 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("torch_kdtree", "csrc")
-DEFAULT_ARCHS = "9.0;12.0"
+
+
+def _load_envs():
+    spec = importlib.util.spec_from_file_location("_torch_kdtree_envs", os.path.join(ROOT, "torch_kdtree", "envs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _load_envs()
 
 
 def _find_cuda_home():
-    """CUDA_HOME, else the toolkit behind `nvcc` on PATH (which may be a wrapper script)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    """CUDA_HOME (or CUDA_PATH), else the toolkit behind `nvcc` on PATH (which may be a wrapper script)."""
+    home = envs.get("CUDA_HOME")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
         return home
     nvcc = shutil.which("nvcc")
@@ -44,15 +55,15 @@ def _find_cuda_home():
 
 
 def _want_cuda():
-    flag = os.environ.get("KDTREE_BUILD_CUDA", "auto").strip().lower()
-    if flag in ("0", "false", "no", "off"):
+    flag = envs.get("KDTREE_BUILD_CUDA")  # None: auto
+    if flag is False:
         return False
     home = _find_cuda_home()
     if home is None:
-        if flag in ("1", "true", "yes", "on"):
+        if flag:
             sys.exit("KDTREE_BUILD_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME or put nvcc on PATH)")
         return False
-    os.environ["CUDA_HOME"] = home
+    envs.export("CUDA_HOME", home, replace=True)
     cpp_extension.CUDA_HOME = home  # torch resolved CUDA_HOME at import time
     return True
 
@@ -61,9 +72,10 @@ def _extension():
     sources = [os.path.join(CSRC, "bindings.cpp")]
     define_macros = []
     extra = {"cxx": ["-O3"]}
-    trace = os.environ.get("KDTREE_TRACE", "0") == "1"  # kernel phase stamps (csrc/trace.cuh), diagnostics only
+    trace = envs.get("KDTREE_TRACE")  # kernel phase stamps (csrc/trace.cuh), diagnostics only
     if _want_cuda():
-        archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+        # torch.utils.cpp_extension reads the list from the environment itself
+        archs = envs.export("TORCH_CUDA_ARCH_LIST", envs.switch("TORCH_CUDA_ARCH_LIST").default)
         sources += sorted(glob.glob(os.path.join(CSRC, "*.cu")))
         define_macros += [("KDTREE_WITH_CUDA", "1"), ("KDTREE_CUDA_ARCHS", '"%s"' % archs)]
         include_dirs = []

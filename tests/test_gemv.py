@@ -324,66 +324,35 @@ def test_cuda_results_are_deterministic(fresh_seed):
 
 
 @requires_kernel
-@pytest.mark.parametrize("M,K,Ns,prologue", [(1, 2048, (1536, 576), "norm"), (4, 7168, (300,), None)])
-def test_cuda_prewait_loads_give_the_same_bits(fresh_seed, monkeypatch, M, K, Ns, prologue):
-    """KDTREE_PREWAIT (read per call) only moves the first weight loads before the programmatic-launch
-    wait: the outputs are bit-identical either way."""
-    x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, False)
-    monkeypatch.setenv("KDTREE_PREWAIT", "0")
-    late = gemv(x, weights, **kw)
-    monkeypatch.setenv("KDTREE_PREWAIT", "gemv")
-    early = gemv(x, weights, **kw)
-    for a, b in zip(early, late):
-        assert torch.equal(a, b)
-
-
-@requires_kernel
-@pytest.mark.parametrize("M,K,Ns,prologue,residual", CUDA_CASES + [(4, 7168, (300, 5), "norm", False),
-                                                                   (1, 1024, (7168,), None, True)])
-def test_cuda_ring_and_register_kernels_give_the_same_bits(fresh_seed, monkeypatch, M, K, Ns, prologue, residual):
-    """KDTREE_GEMV_RING (read per call) picks the weight stream: bulk copies into a ring of shared-memory
-    stages (default; any stage count) or loads into registers (0).  Same items, same order, same
-    bits -- so a verify pass and a decode pass agree whichever kernel each shape gets."""
+@pytest.mark.parametrize("M,K,Ns,prologue,residual", [c for c in CUDA_CASES if c[0] > 1] +
+                         [(4, 7168, (300, 5), "norm", False), (3, 1024, (7168,), None, True)])
+def test_cuda_each_row_of_a_batch_gives_the_bits_of_a_decode_call(fresh_seed, M, K, Ns, prologue, residual):
+    """A call of M rows (gemv_ring_kernel's general instantiation, several rows per block) and each
+    of its rows alone (M = 1: the decode instantiation <kB, 1, 3> where 3 ring stages fit) run the
+    same items in the same order, so the same bits -- a verify pass and a decode pass agree
+    whichever kernel each shape gets."""
     x, weights, kw = cuda_case(fresh_seed, M, K, Ns, prologue, residual)
     if not residual:  # and the router form: an fp32 first output and the prologue's output
         kw.update(fp32_outputs=1, return_input=True)
-    runs = {}
-    for ring in ("0", "2", "3", "8", None):
-        if ring is None:
-            monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
-        else:
-            monkeypatch.setenv("KDTREE_GEMV_RING", ring)
-        for prewait in ("0", "1"):
-            monkeypatch.setenv("KDTREE_PREWAIT", prewait)
-            for decode in ("0", "1"):  # M = 1 with 3 stages: the decode instantiation or the general one
-                monkeypatch.setenv("KDTREE_GEMV_DECODE_KERNEL", decode)
-                runs[ring, prewait, decode] = gemv(x, weights, **kw)
-    base = runs["0", "1", "1"]
-    for key, outs in runs.items():
-        for a, b in zip(outs, base):
-            assert torch.equal(a, b), key
+    batch = gemv(x, weights, **kw)
+    for m in range(M):
+        row_kw = {k: (v[m:m + 1] if k in ("up", "residual") else v) for k, v in kw.items()}
+        for a, b in zip(gemv(x[m:m + 1], weights, **row_kw), batch):
+            assert torch.equal(a, b[m:m + 1]), m
 
 
 @requires_kernel
-def test_cuda_ring_switch_picks_the_kernel(fresh_seed, monkeypatch):
-    """The bit-equality test above compares two kernels only if the switch really selects them."""
-    x, weights, kw = cuda_case(fresh_seed, 1, 2048, (1536, 576), "norm", False)
-
-    def kernels():
+def test_cuda_decode_shape_runs_the_decode_instantiation(fresh_seed):
+    """The bit-equality test above compares two instantiations only if the shapes really select them:
+    M = 1 with 3 ring stages runs gemv_ring_kernel<kB, 1, 3>, M = 4 the general ring kernel."""
+    def kernels(M):
+        x, weights, kw = cuda_case(fresh_seed, M, 2048, (1536, 576), "norm", False)
         return cuda_kernels_run(lambda: gemv(x, weights, **kw), "gemv")[1]
 
-    monkeypatch.delenv("KDTREE_GEMV_RING", raising=False)
-    monkeypatch.delenv("KDTREE_GEMV_DECODE_KERNEL", raising=False)
-    ring = kernels()
-    monkeypatch.setenv("KDTREE_GEMV_DECODE_KERNEL", "0")
-    general = kernels()
-    monkeypatch.setenv("KDTREE_GEMV_RING", "0")
-    regs = kernels()
-    # M = 1, 3 stages: the decode instantiation <kB, rows 1, stages 3>; switched off, the general one
-    assert any(re.search(r"gemv_ring_kernel<\d+, 1, 3>", n) for n in ring), ring
+    decode, general = kernels(1), kernels(4)
+    assert any(re.search(r"gemv_ring_kernel<\d+, 1, 3>", n) for n in decode), decode
     assert any("gemv_ring_kernel" in n for n in general), general
     assert not any(re.search(r"gemv_ring_kernel<\d+, 1, 3>", n) for n in general), general
-    assert regs and not any("gemv_ring_kernel" in n for n in regs), regs
 
 
 @requires_kernel

@@ -9,7 +9,9 @@ import torch
 
 from .conftest import requires_cuda
 from torch_kdtree.ops import (Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
-                              int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack)
+                              int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack,
+                              pdl)
+from torch_kdtree.ops.moe import DECODE_MAX_SLOTS, int4_decode_path_fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,10 +672,9 @@ def test_cuda_compiles_with_fullgraph(fresh_seed):
 
 
 @requires_cuda
-@pytest.mark.parametrize("E,H,I,T,k,decode", [(32, 512, 128, 12, 8, "0"),  # the grouped GEMMs
-                                              (64, 1024, 256, 2, 8, "1")])  # the decode path (T * k <= 32)
-def test_cuda_graph_replays_with_new_routings(fresh_seed, monkeypatch, E, H, I, T, k, decode):
-    monkeypatch.setenv("KDTREE_INT4_DECODE", decode)
+@pytest.mark.parametrize("E,H,I,T,k", [(32, 512, 128, 12, 8),  # the grouped GEMMs
+                                       (64, 1024, 256, 2, 8)])  # the decode path (T * k <= 32)
+def test_cuda_graph_replays_with_new_routings(fresh_seed, E, H, I, T, k):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     w = cuda_weights(gen, E, H, I)
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
@@ -706,19 +707,17 @@ def test_cuda_graph_replays_with_new_routings(fresh_seed, monkeypatch, E, H, I, 
 
 
 @requires_cuda
-@pytest.mark.parametrize("E,H,I,T,k,k_splits,decode", [(24, 512, 128, 21, 8, 4, "0"),     # grouped GEMMs, split K
-                                                       (64, 2048, 256, 2, 8, None, "1")])  # the decode path
-def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, monkeypatch, E, H, I, T, k,
-                                                                        k_splits, decode):
-    monkeypatch.setenv("KDTREE_INT4_DECODE", decode)
+@pytest.mark.parametrize("E,H,I,T,k,k_splits", [(24, 512, 128, 21, 8, 4),     # grouped GEMMs, split K
+                                                (64, 2048, 256, 2, 8, None)])  # the decode path
+def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_seed, E, H, I, T, k, k_splits):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     w = cuda_weights(gen, E, H, I)
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, T, k, E)
-    monkeypatch.setenv("KDTREE_PDL", "0")
-    a = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
-    monkeypatch.setenv("KDTREE_PDL", "1")
-    b = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
+    with pdl(False):
+        a = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
+    with pdl(True):
+        b = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
     c = run_out_poisoned(x, w, ids, tw, k_splits=k_splits)
     assert torch.equal(a, b) and torch.equal(b, c)
     check_against_reference(x, w, ids, tw)
@@ -728,15 +727,21 @@ def test_cuda_same_bits_with_and_without_programmatic_dependent_launch(fresh_see
 # the decode path (T · k <= 32: two GEMV launches, csrc/moe_decode.cu)
 # --------------------------------------------------------------------------------------------
 
-def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
-    """(decode path, grouped-GEMM path) outputs of the same call, each checked against the reference
-    (KDTREE_INT4_DECODE=1 / 0 turns the decode path on / off)."""
-    monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
+def past_decode_slots(T, k):
+    """How many copies of T tokens take more than the decode path's 32 (token, expert) slots."""
+    return DECODE_MAX_SLOTS // (T * k) + 1
+
+
+def run_both_paths(x, w, ids, tw, expert_map=None):
+    """(decode path, grouped-GEMM path, reference) for the same tokens, each path checked against the
+    reference: the call itself (T · k <= 32 slots: the decode path) and its tokens repeated past 32
+    slots (the grouped GEMMs), of which the first T rows are compared."""
+    (T, k), (H, I) = ids.shape, (w.hidden_size, w.intermediate_size)
+    n = past_decode_slots(T, k)
+    assert int4_decode_path_fits(T, k, H, I) and not int4_decode_path_fits(n * T, k, H, I)
     dec, ref = check_against_reference(x, w, ids, tw, expert_map)
-    monkeypatch.setenv("KDTREE_INT4_DECODE", "0")
-    gemm, _ = check_against_reference(x, w, ids, tw, expert_map)
-    monkeypatch.delenv("KDTREE_INT4_DECODE")
-    return dec, gemm, ref
+    gemm, _ = check_against_reference(x.repeat(n, 1), w, ids.repeat(n, 1), tw.repeat(n, 1), expert_map)
+    return dec, gemm[:T], ref
 
 
 @requires_cuda
@@ -750,46 +755,31 @@ def run_both_paths(monkeypatch, x, w, ids, tw, expert_map=None):
     (32, 4096, 128, 1, 4, 64),     # gate/up split over K (a cluster of 5 on an H200's 132 SMs)
     (16, 2048, 128, 1, 2, 128),    # K split in 4, group 128
 ])
-def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, monkeypatch, E, H, I, T, k, group):
+def test_cuda_decode_path_matches_reference_and_grouped_gemm(fresh_seed, E, H, I, T, k, group):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     w = cuda_weights(gen, E, H, I, group)
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, T, k, E)
     for id_t in (ids, ids.long()):
-        dec, gemm, ref = run_both_paths(monkeypatch, x, w, id_t, tw)
+        dec, gemm, ref = run_both_paths(x, w, id_t, tw)
         # both paths round the dequantised weights and the activations to bf16 the same way;
         # only their fp32 summation orders differ
         assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
 
 
 @requires_cuda
-@pytest.mark.parametrize("splits", ["1", "3", "8"])
-def test_cuda_decode_path_k_splits_change_only_summation_order(fresh_seed, monkeypatch, splits):
-    """gate/up's K split (a thread-block cluster of that many blocks, summed in rank order), forced
-    through KDTREE_INT4_DECODE_SPLITS; 3 splits of H / 64 = 64 tiles leave the last one short."""
-    monkeypatch.setenv("KDTREE_INT4_DECODE_SPLITS", splits)
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
-    w = cuda_weights(gen, 32, 4096, 256, 32)
-    x = torch.randn((2, 4096), generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = cuda_routing(gen, 2, 8, 32)
-    dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw)
-    assert rel_err(dec, gemm) <= 4e-3, f"decode vs grouped GEMM {rel_err(dec, gemm):.3e}"
-
-
-@requires_cuda
-@pytest.mark.parametrize("E,H,I,Is,T,k,splits", [
-    (384, 7168, 256, 256, 1, 8, None),   # a K2 TP-8 rank: 4 shared block rows per token
-    (384, 7168, 256, 256, 4, 8, None),   # four tokens
-    (16, 1024, 128, 200, 3, 4, None),    # Is not a multiple of 4 * I / 16: idle shared blocks
-    (16, 2048, 128, 64, 1, 2, "3"),      # gate/up split over K (clusters of 3, the last split short)
-    (24, 512, 64, 1024, 2, 6, None),     # Is > I: shared rows longer than a routed slot's
+@pytest.mark.parametrize("E,H,I,Is,T,k", [
+    (384, 7168, 256, 256, 1, 8),   # a K2 TP-8 rank: 4 shared block rows per token
+    (384, 7168, 256, 256, 4, 8),   # four tokens
+    (16, 1024, 128, 200, 3, 4),    # Is not a multiple of 4 * I / 16: idle shared blocks
+    (16, 2816, 128, 64, 1, 2),     # gate/up split over K (5 splits of 44 k64 tiles, the last short)
+    (24, 512, 64, 1024, 2, 6),     # Is > I: shared rows longer than a routed slot's
 ])
 @pytest.mark.parametrize("parts", ["shared+residual", "shared", "residual"])
-def test_cuda_decode_path_shared_expert_and_residual(fresh_seed, monkeypatch, E, H, I, Is, T, k, splits, parts):
+def test_cuda_decode_path_shared_expert_and_residual(fresh_seed, E, H, I, Is, T, k, parts):
     """The shared expert inside the decode path's two launches (and the residual add in down's):
-    against the reference, and against the grouped path (which adds them with ATen ops)."""
-    if splits is not None:
-        monkeypatch.setenv("KDTREE_INT4_DECODE_SPLITS", splits)
+    against the reference, and against the grouped path (the same tokens repeated past the decode
+    path's 32 slots; it adds them with ATen ops)."""
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     w = cuda_weights(gen, E, H, I, 32)
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
@@ -798,21 +788,20 @@ def test_cuda_decode_path_shared_expert_and_residual(fresh_seed, monkeypatch, E,
     res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16) if "residual" in parts else None
     ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *(shared or (None,) * 3), res)
     outs = {}
-    for path in ("1", "0"):  # the decode path, then the grouped path
-        monkeypatch.setenv("KDTREE_INT4_DECODE", path)
+    for path, n in (("decode", 1), ("grouped", past_decode_slots(T, k))):
         for id_t in (ids, ids.long()):
-            out = int4_moe(x, w, id_t, tw, shared=shared, residual=res)
-            assert rel_err(out, ref) <= 1e-2, f"decode={path}: relative error {rel_err(out, ref):.3e}"
+            out = int4_moe(x.repeat(n, 1), w, id_t.repeat(n, 1), tw.repeat(n, 1), shared=shared,
+                           residual=None if res is None else res.repeat(n, 1))[:T]
+            assert rel_err(out, ref) <= 1e-2, f"{path}: relative error {rel_err(out, ref):.3e}"
             outs[path, id_t.dtype] = out
-    assert torch.equal(outs["1", torch.int32], outs["1", torch.int64])
+    assert torch.equal(outs["decode", torch.int32], outs["decode", torch.int64])
     # without the residual the sums are compared directly (with it, it dominates the norm)
     if res is None:
-        assert rel_err(outs["1", torch.int32], outs["0", torch.int32]) <= 4e-3
+        assert rel_err(outs["decode", torch.int32], outs["grouped", torch.int32]) <= 4e-3
     else:
-        diff = (outs["1", torch.int32].float() - outs["0", torch.int32].float()).abs().max()
+        diff = (outs["decode", torch.int32].float() - outs["grouped", torch.int32].float()).abs().max()
         assert float(diff) <= 0.05 * float(res.float().abs().max())
     # the unfused sum: the fused output is the plain call plus the shared expert plus the residual
-    monkeypatch.setenv("KDTREE_INT4_DECODE", "1")
     plain = int4_moe(x, w, ids, tw).float()
     if shared is not None:
         sg, su, sd = (t.float() for t in shared)
@@ -820,11 +809,11 @@ def test_cuda_decode_path_shared_expert_and_residual(fresh_seed, monkeypatch, E,
         plain = plain + (torch.nn.functional.silu(xf @ sg.T) * (xf @ su.T)) @ sd.T
     if res is not None:
         plain = plain + res.float()
-    assert rel_err(outs["1", torch.int32], plain) <= 1e-2
+    assert rel_err(outs["decode", torch.int32], plain) <= 1e-2
 
 
 @requires_cuda
-def test_cuda_decode_path_shared_expert_in_a_graph_and_without_pdl(fresh_seed, monkeypatch):
+def test_cuda_decode_path_shared_expert_in_a_graph_and_without_pdl(fresh_seed):
     """The fused call replays in a CUDA graph with new inputs, and PDL changes no bit."""
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     E, H, I, Is, T, k = 64, 2048, 256, 256, 2, 8
@@ -834,9 +823,8 @@ def test_cuda_decode_path_shared_expert_in_a_graph_and_without_pdl(fresh_seed, m
     res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, T, k, E)
     eager = int4_moe(x, w, ids, tw, shared=shared, residual=res)
-    monkeypatch.setenv("KDTREE_PDL", "0")
-    assert torch.equal(int4_moe(x, w, ids, tw, shared=shared, residual=res), eager)
-    monkeypatch.delenv("KDTREE_PDL")
+    with pdl(False):
+        assert torch.equal(int4_moe(x, w, ids, tw, shared=shared, residual=res), eager)
     from torch_kdtree.ops._checks import value_checks
     with value_checks(False):
         int4_moe(x, w, ids, tw, shared=shared, residual=res)  # warm
@@ -854,7 +842,7 @@ def test_cuda_decode_path_shared_expert_in_a_graph_and_without_pdl(fresh_seed, m
 
 
 @requires_cuda
-def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypatch):
+def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     E_global, E, T, k = 48, 16, 3, 8
     w = cuda_weights(gen, E, 512, 128)
@@ -864,6 +852,6 @@ def test_cuda_decode_path_with_expert_map_skips_other_ranks(fresh_seed, monkeypa
     x = torch.randn((T, 512), generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = cuda_routing(gen, T, k, E_global)
     ids[0] = torch.nonzero(emap < 0).flatten()[:k].to(torch.int32)  # token 0: no expert on this rank
-    dec, gemm, _ = run_both_paths(monkeypatch, x, w, ids, tw, expert_map=emap)
+    dec, gemm, _ = run_both_paths(x, w, ids, tw, expert_map=emap)
     assert torch.equal(dec[0], torch.zeros_like(dec[0]))
     assert rel_err(dec, gemm) <= 4e-3

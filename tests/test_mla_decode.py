@@ -234,67 +234,48 @@ def test_cuda_kernel_matches_reference(fresh_seed, lens, heads, dn, dv, page_siz
     assert torch.equal(flat[untouched], flat_want[untouched]) and torch.equal(kv[0], kv_want[0])
 
 
-@requires_decode_cuda
-@pytest.mark.parametrize("stages", ["2", "3", "4"])
-def test_cuda_ring_depths_agree(fresh_seed, monkeypatch, stages):
-    """KDTREE_MLA_DECODE_STAGES (2, 3 or 4 shared-memory stages of keys) changes only the loads: the
-    same bits as the default."""
-    a = _inputs(fresh_seed, [1000, 3], 16, device="cuda")
-    default = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
-    monkeypatch.setenv("KDTREE_MLA_DECODE_STAGES", stages)
-    got = _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True)
-    assert torch.equal(got, default)
-
-
-@requires_decode_cuda
-@pytest.mark.parametrize("lens,heads", [([1000, 3], 16), ([700], 8), ([0, 33, 2500], 4)])
-def test_cuda_exchange_modes_agree(fresh_seed, monkeypatch, lens, heads):
-    """KDTREE_MLA_PUSH=0 (read per call) exchanges the query columns and the splits' partials through
-    cluster barriers and reads of the other blocks' shared memory instead of pushing them with st.async
-    onto mbarriers: the same values in the same order, so the same bits -- and each mode really runs
-    its own kernel."""
-    a = _inputs(fresh_seed, lens, heads, device="cuda")
-
-    def run():
-        return cuda_kernels_run(lambda: _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True),
-                                "mla_decode_kernel")
-
-    monkeypatch.delenv("KDTREE_MLA_PUSH", raising=False)
-    pushed, names_push = run()
-    monkeypatch.setenv("KDTREE_MLA_PUSH", "0")
-    synced, names_sync = run()
-    ns = _default_stages(heads, len(lens))
-    assert any(f"mla_decode_kernel<{ns}, true>" in n for n in names_push), names_push
-    assert any(f"mla_decode_kernel<{ns}, false>" in n for n in names_sync), names_sync
-    assert torch.equal(pushed, synced)
+PER_REQUEST = ("q", "ckv", "cos", "sin", "slots", "block_table", "cache_lens")
 
 
 def _default_stages(heads: int, requests: int) -> int:
-    """mla_decode_cuda's ring depth without KDTREE_MLA_DECODE_STAGES: 3 when the launch's blocks (8 per
-    head and request) fill at most half the SMs and a block's shared memory holds 3 stages of 32 rows
-    (+ the kernel's ~24 KB of static shared memory), else 2.  The op also requires all the launch's
-    clusters (one per head and request) to fit at once at 3 stages, by the occupancy API; that is
-    not mirrored here: where half the SMs' blocks fit, so do their clusters on the GPUs tested (H200:
-    15 clusters of 8 at 3 stages, RESULTS.md run 138), and where they would not, the op picks 2
-    and the tests that use this helper fail rather than pass by accident."""
+    """mla_decode_cuda's ring depth: 3 when the launch's blocks (8 per head and request) fill at most
+    half the SMs and a block's shared memory holds 3 stages of 32 rows (+ the kernel's ~24 KB of
+    static shared memory), else 2.  The op also requires all the launch's clusters (one per head and
+    request) to fit at once at 3 stages, by the occupancy API; that is not mirrored here: where half
+    the SMs' blocks fit, so do their clusters on the GPUs tested (H200: 15 clusters of 8 at 3 stages,
+    RESULTS.md run 138), and where they would not, the op picks 2 and the tests that use this helper
+    fail rather than pass by accident."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     fits = props.shared_memory_per_block_optin >= 3 * 32 * 1152 + 24 * 1024
     return 3 if heads * 8 * requests <= props.multi_processor_count // 2 and fits else 2
 
 
+def _run_decode(a):
+    return cuda_kernels_run(lambda: _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True),
+                            "mla_decode_kernel")
+
+
+@requires_decode_cuda
+def test_cuda_ring_depths_agree(fresh_seed):
+    """A request alone (8 heads: 64 blocks, at most half an H200's SMs, so 3 key stages) and the same
+    request in a launch of two (128 blocks: 2 stages) give the same bits: the depth changes only the
+    loads.  The profiler sees each launch's depth."""
+    a = _inputs(fresh_seed, [1000, 3], 8, device="cuda")
+    alone = {k: (v[:1] if k in PER_REQUEST else v) for k, v in a.items()}
+    both, names_both = _run_decode(a)
+    one, names_one = _run_decode(alone)
+    assert any(f"mla_decode_kernel<{_default_stages(8, 2)}>" in n for n in names_both), names_both
+    assert any(f"mla_decode_kernel<{_default_stages(8, 1)}>" in n for n in names_one), names_one
+    assert torch.equal(one, both[:1])
+
+
 @requires_decode_cuda
 @pytest.mark.parametrize("lens,heads", [([700], 8), ([700, 5], 16)])
-def test_cuda_default_ring_depth(fresh_seed, monkeypatch, lens, heads):
-    """Without the switch, a launch of few blocks takes 3 key stages and a full one 2 (the kernel the
-    profiler sees), with the same bits as either depth forced."""
-    monkeypatch.delenv("KDTREE_MLA_DECODE_STAGES", raising=False)
+def test_cuda_default_ring_depth(fresh_seed, lens, heads):
+    """A launch of few blocks takes 3 key stages and a full one 2 (the kernel the profiler sees)."""
     a = _inputs(fresh_seed, lens, heads, device="cuda")
-    got, names = cuda_kernels_run(
-        lambda: _call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True), "mla_decode_kernel")
-    assert any(f"mla_decode_kernel<{_default_stages(heads, len(lens))}, true>" in n for n in names), names
-    for forced in ("2", "3"):
-        monkeypatch.setenv("KDTREE_MLA_DECODE_STAGES", forced)
-        assert torch.equal(_call(mla_decode, {**a, "kv_cache": a["kv_cache"].clone()}, prefix_ready=True), got)
+    _, names = _run_decode(a)
+    assert any(f"mla_decode_kernel<{_default_stages(heads, len(lens))}>" in n for n in names), names
 
 
 @requires_decode_cuda

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import cuda_kernels_run, requires_cuda_kernel
+from .conftest import requires_cuda_kernel
 from torch_kdtree.ops import gemv, moe_gemv, moe_gemv_reference, moe_route, value_checks
 
 requires_kernel = requires_cuda_kernel("kdtree::moe_gemv")
@@ -334,35 +334,6 @@ def test_cuda_duplicate_and_out_of_range_ids(fresh_seed):
         got = moe_gemv(x, gate, up, down, ids, w)
         want = moe_gemv_reference(*(a.cpu() for a in (x, gate, up, down, ids, w)))
     assert rel_err(got, want) < 8e-3
-
-
-@requires_kernel
-@pytest.mark.parametrize("T,k,E,H,I,Is", [(1, 8, 64, 2048, 512, 512), (3, 6, 10, 136, 24, 1040), (2, 3, 8, 256, 64, 0)])
-def test_cuda_late_and_early_route_give_the_same_bits(fresh_seed, monkeypatch, T, k, E, H, I, Is):
-    """The down kernel's default late route (the routing read after its programmatic-launch wait, the
-    routed rows streamed whole in the slot loop) against the early route (KDTREE_MOE_DOWN_LATE_ROUTE=0,
-    read per call; with and without KDTREE_PREWAIT's pre-wait loads): the same summation order, so
-    the same bits, also with an out-of-range and a duplicate id; the profiler sees the kernel the
-    switch names."""
-    args = cuda_case(fresh_seed, T, k, E, H, I)
-    args[4][0, -1] = E  # out of range: contributes nothing
-    if k > 1:
-        args[4][-1, 0] = args[4][-1, 1]
-    if Is:
-        args = args + make_shared(torch.Generator(device="cuda").manual_seed(fresh_seed + 7), H, Is, device="cuda")
-    got = {}
-    with value_checks(False):
-        for late, prewait in (("1", "moe_gemv"), ("0", "moe_gemv"), ("0", "0")):
-            monkeypatch.setenv("KDTREE_MOE_DOWN_LATE_ROUTE", late)
-            monkeypatch.setenv("KDTREE_PREWAIT", prewait)
-            got[late, prewait], names = cuda_kernels_run(lambda: moe_gemv(*args), "moe_down_kernel")
-            assert any(f"moe_down_kernel<{'true' if late == '1' else 'false'}>" in n for n in names), names
-        monkeypatch.delenv("KDTREE_MOE_DOWN_LATE_ROUTE")
-        got["default"] = moe_gemv(*args)
-        want = moe_gemv_reference(*(a.cpu() for a in args))
-    base = got["1", "moe_gemv"]
-    assert all(torch.equal(v, base) for v in got.values())
-    assert rel_err(base, want) < 8e-3
 
 
 @requires_kernel

@@ -30,7 +30,6 @@ stops.
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 
@@ -56,9 +55,9 @@ INDUCTOR_OPTIONS = {"combo": {"combo_kernels": True},
 # bookkeeping no longer start only after the previous kernel has drained -- as the kdtree decode
 # kernels already do (csrc/pdl.cuh).  Added to the inductor options of every compiled step on a
 # CUDA device of compute capability 9.0+ when this torch has the option (torch 2.11 does); the
-# caller's own "triton.enable_pdl" wins, and KDTREE_INDUCTOR_PDL=0 (read per session) leaves it
-# out.  On the H200 (RESULTS.md run 99) k2_slice's decode step went 0.3608 -> 0.3503 ms and
-# 2p2b's 0.6185 -> 0.6126 ms, same tokens.
+# caller's own "triton.enable_pdl" wins, and PDL off (KDTREE_PDL=0 or torch_kdtree.ops.set_pdl,
+# read when the session is built) leaves it out.  On the H200 (RESULTS.md run 99) k2_slice's
+# decode step went 0.3608 -> 0.3503 ms and 2p2b's 0.6185 -> 0.6126 ms, same tokens.
 PDL_OPTION = "triton.enable_pdl"
 PHASES = ("draft", "topk", "build", "verify", "accept", "commit")
 
@@ -66,11 +65,14 @@ PHASES = ("draft", "topk", "build", "verify", "accept", "commit")
 def inductor_options(options: dict, device: torch.device) -> dict:
     """``options`` plus ``{PDL_OPTION: True}`` where that applies: a CUDA ``device`` of compute
     capability 9.0 or newer, a torch whose inductor has the option, the caller's ``options`` not
-    setting it, and ``KDTREE_INDUCTOR_PDL`` not ``0``.  A new dict; ``options`` is not changed."""
+    setting it, and the kdtree kernels launching with PDL (``torch_kdtree.ops.pdl_enabled()``:
+    ``KDTREE_PDL``, or ``set_pdl``).  A new dict; ``options`` is not changed."""
     import torch._inductor.config as inductor_config
 
+    from torch_kdtree.ops import pdl_enabled
+
     out = dict(options)
-    if (PDL_OPTION in out or os.environ.get("KDTREE_INDUCTOR_PDL", "1") == "0" or device.type != "cuda"
+    if (PDL_OPTION in out or not pdl_enabled() or device.type != "cuda"
             or not hasattr(inductor_config.triton, PDL_OPTION.split(".")[1])):
         return out
     if torch.cuda.get_device_capability(device)[0] >= 9:

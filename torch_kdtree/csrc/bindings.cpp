@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 #ifdef KDTREE_TRACE
 #include <tuple>
 namespace kdtree {
@@ -11,7 +13,24 @@ std::tuple<at::Tensor, at::Tensor> trace_take(int64_t mode);  // trace.cu
 }
 #endif
 
+namespace kdtree {
+namespace {
+std::atomic<bool> pdl_option{true};
+
+void set_launch_options(bool pdl) { pdl_option.store(pdl, std::memory_order_relaxed); }
+bool launch_options() { return pdl_option.load(std::memory_order_relaxed); }
+}  // namespace
+
+bool launch_pdl() { return launch_options(); }  // pdl.cuh
+}  // namespace kdtree
+
 TORCH_LIBRARY(kdtree, m) {
+  // How the CUDA kernels launch, process-wide (torch_kdtree/ops/launch.py; the C++ never reads the
+  // environment): pdl -- with programmatic dependent launch (csrc/pdl.cuh).  Read at each launch, so
+  // a CUDA graph keeps the value it was captured with.  _launch_options returns pdl.
+  m.def("_set_launch_options(bool pdl) -> ()", &kdtree::set_launch_options);
+  m.def("_launch_options() -> bool", &kdtree::launch_options);
+
   // DDTree (ddtree.md): best-first tree from per-depth top-K log-probs.
   m.def("ddtree_build(Tensor logprobs, Tensor token_ids, Tensor root_tokens, int budget)"
         " -> (Tensor tokens, Tensor parents, Tensor depths, Tensor visible)");

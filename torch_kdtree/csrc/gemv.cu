@@ -9,12 +9,9 @@
 //   0. Launched with programmatic dependent launch (pdl.cuh): before waiting for the previous
 //      kernel, each warp prefetches its first weight row into L2 and loads its first two items
 //      (kB 16-byte chunks per lane each; a whole row of K <= 2048) into registers -- coherent
-//      loads, which ptxas keeps before the wait (bf16_vec.cuh's ld_stream_early); KDTREE_PREWAIT
-//      without "gemv" moves the first item's loads after the wait, where they are issued before
-//      anything else, and the second's into the main loop.  With an RMSNorm prologue, the thread's
-//      chunks of the norm weight are loaded before the wait too, ahead of the weights
-//      (KDTREE_PREWAIT without "gemv_norm": after it; RESULTS.md run 107: -0.7 % k2_slice, -0.8 %
-//      2p2b decode steps).
+//      loads, which ptxas keeps before the wait (bf16_vec.cuh's ld_stream_early).  With an RMSNorm
+//      prologue, the thread's chunks of the norm weight are loaded before the wait too, ahead of
+//      the weights.
 //   1. So weight bytes are in flight during the prologue (and, with PDL, during the predecessor).
 //   2. Prologue, per block: the block's rows of the GEMV input into shared memory as bf16 --
 //      x itself; RMSNorm(x) · norm_weight (sum of squares in fp32, a block reduction, then
@@ -24,13 +21,14 @@
 //      FMAs, so every warp keeps two items in flight from start to end (no tail between waves of
 //      blocks); fp32 accumulation per m, one xor-shuffle sum per (row, m) when a row is done.
 //   4. Epilogue per row: y = bf16(acc); with a residual (one weight only) out = bf16(residual + y).
-// Two weight streams, the same items in the same order (so the same bits; KDTREE_GEMV_RING picks):
-//   - the ring kernel (default where its shared memory fits): lane 0 of each warp copies items into
+// Two weight streams, the same items in the same order (so the same bits):
+//   - the ring kernel (wherever its shared memory fits): lane 0 of each warp copies items into
 //     a ring of shared-memory stages with bulk copies (bulk_copy.cuh), all stages before the wait;
 //     the warp reads each stage once it has landed and refills it.  It beat the register kernel on
 //     the large-K layers (K2's q_a + kv_a 16.9 -> 13.2 us, dense MLP 31.3 -> 25.9 us) and at M = 4
 //     (RESULTS.md runs 61-62); about even on 2p2b's small layers;
-//   - the register kernel (steps 0-4 above, two items in flight per warp).
+//   - the register kernel (steps 0-4 above, two items in flight per warp), where fewer than two
+//     ring stages fit beside the prologue's rows (sm_120's 99 KB per block with large K · rows).
 //   Tried for the ring and removed (RESULTS.md runs 108, 110): copying only some stages before the
 //   wait (the rest after the prologue), or prefetching them into L2 instead: even to 7 % slower.
 //   The decode shape (one row of x per block, 3 stages: every M = 1 layer of the decode step) gets
@@ -39,7 +37,6 @@
 //   instead of 7.5).  A block reaches each kernel's code cold (the step streams ~90 MB of weights
 //   per layer between two launches of it), so it pays for the code it runs through: 2p2b's decode
 //   step 0.6022 -> 0.5610 ms, k2_slice 0.3412 -> 0.3241 ms, the same tokens (RESULTS.md run 124).
-//   KDTREE_GEMV_DECODE_KERNEL=0 (read per call) runs the general instantiation there instead.
 // Shapes come from static sizes only (CUDA-graph safe); no atomics and a fixed summation order
 // (deterministic).  No tensor cores (a GEMV has nothing to reuse): the same code runs on sm_90
 // and sm_120.
@@ -55,10 +52,8 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -427,60 +422,21 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   KD_TRACE(p.trace, 4);
 }
 
-// The two instantiations: 8 chunks per lane per item (2 blocks / SM) or 4 (3 blocks / SM).
+// The register kernel: 4 chunks per lane per item (3 blocks / SM) and one grid of resident blocks,
+// the fastest of the four settings bench_gemv timed on most of its layers (H200, RESULTS.md run 35).
 using GemvKernel = void (*)(const Params);
-constexpr GemvKernel kKernels[2] = {gemv_kernel<8, 2>, gemv_kernel<4, 3>};
-
-// Kernel choice and grid size: KDTREE_GEMV_TUNE="variant,grid_factor" (variant 0: 8 chunks per lane
-// per item, 1: 4; grid_factor in quarters of the resident blocks), read once; for A/B runs.  The
-// default, 4 chunks and one grid of resident blocks, was the fastest of (0, 4), (1, 4), (0, 16) and
-// (1, 8) on most of bench_gemv's layers on the H200 (RESULTS.md, run 35).
-struct Tuning {
-  int variant = 1;
-  int grid_factor = 4;
-};
-
-Tuning tuning() {
-  static const Tuning t = [] {
-    Tuning r;
-    if (const char* env = std::getenv("KDTREE_GEMV_TUNE")) {
-      int v = 0, g = 4;
-      if (std::sscanf(env, "%d,%d", &v, &g) == 2 && (v == 0 || v == 1) && g >= 1 && g <= 64) {
-        r.variant = v;
-        r.grid_factor = g;
-      }
-    }
-    return r;
-  }();
-  return t;
-}
+constexpr GemvKernel kRegisterKernel = gemv_kernel<4, 3>;
 
 // The ring kernel's configuration: kB = 4 (2 KB items, the register kernel's default item), a
 // stage of all 8 warps' rings per kRingStageBytes.
 constexpr int kRingB = 4;
 constexpr int kRingStageBytes = kWarps * 32 * kRingB * 16;
 
-// The ring kernel's launch: stages per warp and the most blocks per SM.
-struct RingConfig {
-  int stages = 0;  // 0: use the register kernel
-  int max_per_sm = 0;  // 0: as many as fit
-};
-
 // Stages per warp for the ring kernel with `x_smem` bytes of prologue output per block: as many as
 // fit (up to kDefaultStages) with two blocks per SM, else with one; 0 (use the register kernel)
-// when fewer than two fit.  KDTREE_GEMV_RING (read per call, for A/B runs; neither number changes
-// the result's bits): 0 = the register kernel; "n" caps the stages at n (2 .. kMaxStages) instead;
-// "n,b" also caps the blocks per SM at b.
-RingConfig ring_config(const cudaDeviceProp& prop, int x_smem) {
-  RingConfig r;
-  int cap = kDefaultStages;
-  if (const char* env = std::getenv("KDTREE_GEMV_RING")) {
-    if (std::strcmp(env, "0") == 0) return r;
-    int n = 0, b = 0;
-    const int got = std::sscanf(env, "%d,%d", &n, &b);
-    if (got >= 1 && n >= 2 && n <= kMaxStages) cap = n;
-    if (got == 2 && b >= 1) r.max_per_sm = b;
-  }
+// when fewer than two fit.
+int ring_stages(const cudaDeviceProp& prop, int x_smem) {
+  constexpr int cap = kDefaultStages;
   static const int static_smem = [] {
     cudaFuncAttributes attr{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_ring_kernel<kRingB>));
@@ -489,14 +445,10 @@ RingConfig ring_config(const cudaDeviceProp& prop, int x_smem) {
   const int reserved = int(prop.reservedSharedMemPerBlock);
   auto fit = [&](int budget) { return std::min(cap, (budget - reserved - static_smem - x_smem) / kRingStageBytes); };
   const int two = fit(int(prop.sharedMemPerMultiprocessor / 2));
-  if (two >= std::min(cap, 4)) {
-    r.stages = two;
-    return r;
-  }
+  if (two >= std::min(cap, 4)) return two;
   const int one = std::min(fit(int(prop.sharedMemPerMultiprocessor)),
                            (int(prop.sharedMemPerBlockOptin) - static_smem - x_smem) / kRingStageBytes);
-  r.stages = std::min(cap, one) >= 2 ? std::min(cap, one) : 0;
-  return r;
+  return std::min(cap, one) >= 2 ? std::min(cap, one) : 0;
 }
 
 void check_aligned(const at::Tensor& t, const char* op, const char* name) {
@@ -576,32 +528,26 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   p.rows_per_block = int(rows_per_block);
   p.nseg = int(nw);
   p.rows_total = int(rows_total);
-  // KDTREE_GEMV_EARLY_ITEMS=1: only the first item before the wait (A/B runs; default 2)
-  const char* items_env = std::getenv("KDTREE_GEMV_EARLY_ITEMS");
-  p.early = !prewait_enabled("gemv") ? 0 : (items_env != nullptr && std::strcmp(items_env, "1") == 0) ? 1 : 2;
-  // KDTREE_PREWAIT naming groups without "gemv_norm": the norm weight is loaded after the wait (A/B)
-  p.norm_early = p.prologue == kRmsNorm && prewait_enabled("gemv_norm");
+  p.early = 2;
+  p.norm_early = p.prologue == kRmsNorm;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const int sms = prop->multiProcessorCount;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool pdl = pdl_enabled("gemv");
-  if (const RingConfig ring = ring_config(*prop, smem); ring.stages >= 2) {
-    const int stages = ring.stages;
+  const bool pdl = launch_pdl();
+  if (const int stages = ring_stages(*prop, smem); stages >= 2) {
     p.stages = stages;
-    p.early = prewait_enabled("gemv") ? 1 : 0;
+    p.early = 1;
     const int ring_smem = smem + stages * kRingStageBytes;
     // decode (one row of x per block, the default stages): the kernel compiled for exactly that,
-    // whose path runs through less code (KDTREE_GEMV_DECODE_KERNEL=0: the general one, for A/B runs)
-    const bool decode =
-        rows_per_block == 1 && stages == kDefaultStages && env_switch_on("KDTREE_GEMV_DECODE_KERNEL");
+    // whose path runs through less code
+    const bool decode = rows_per_block == 1 && stages == kDefaultStages;
     const GemvKernel ring_kernel =
         decode ? gemv_ring_kernel<kRingB, 1, kDefaultStages> : gemv_ring_kernel<kRingB>;
     raise_dynamic_smem(ring_kernel, ring_smem);
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_kernel, kThreads, ring_smem));
-    if (ring.max_per_sm > 0) per_sm = std::min(per_sm, ring.max_per_sm);
     const int64_t blocks = std::max<int64_t>(
         1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, int64_t(std::max(per_sm, 1)) * sms));
     KD_TRACE_SET(p, kTraceGemv, dim3(unsigned(blocks), unsigned(grid_y)));
@@ -609,15 +555,14 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
                   size_t(ring_smem), stream, pdl, p);
     return outs;
   }
-  const Tuning tune = tuning();
-  const GemvKernel kernel = kKernels[tune.variant];
+  const GemvKernel kernel = kRegisterKernel;
   if (smem + int(sizeof(float)) * (kMaxRows * kWarps + kMaxRows) > kDefaultSmem)  // dynamic + static > 48 KB
     raise_dynamic_smem(kernel, smem);
-  // persistent grid: the blocks that fit on the device at once (times the tuning's factor), or
-  // fewer when there are fewer rows than warps
+  // persistent grid: the blocks that fit on the device at once, or fewer when there are fewer rows
+  // than warps
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms * tune.grid_factor / 4);
+  const int64_t resident = std::max<int64_t>(1, int64_t(std::max(per_sm, 1)) * sms);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows_total + kWarps - 1) / kWarps, resident));
   KD_TRACE_SET(p, kTraceGemv, dim3(unsigned(blocks), unsigned(grid_y)));
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(grid_y)), dim3(kThreads), size_t(smem), stream, pdl, p);

@@ -50,7 +50,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 
 namespace kdtree {
@@ -86,7 +85,7 @@ struct Params {
   int max_keys;                // max_pages * page_size
   int num_splits;
   int min_chunk;               // kMinChunk
-  bool early;                  // committed key tiles copied before pdl_wait (prefix_ready, KDTREE_PREWAIT)
+  bool early;                  // committed key tiles copied before pdl_wait (prefix_ready)
   float scale_log2;            // softmax_scale * log2(e)
 };
 
@@ -664,7 +663,7 @@ void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t strea
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       int(cudaSharedmemCarveoutMaxShared)));
   const dim3 grid(unsigned(row_blocks), unsigned(p.num_splits), unsigned(R));
-  launch_kernel(kernel, grid, dim3(T::kThreads), size_t(T::kSmem), stream, pdl_enabled("mla"), p);
+  launch_kernel(kernel, grid, dim3(T::kThreads), size_t(T::kSmem), stream, launch_pdl(), p);
 }
 
 // Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
@@ -722,7 +721,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
     const int64_t R = q.size(0), M = q.size(1) * q.size(2);
     const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked)
     launch_kernel(mla_combine_kernel, blocks, dim3(kCombineWarps * 32), size_t(combine_smem_bytes(run.splits)),
-                  at::cuda::getCurrentCUDAStream(), pdl_enabled("mla"), static_cast<const float*>(run.p.o_part),
+                  at::cuda::getCurrentCUDAStream(), launch_pdl(), static_cast<const float*>(run.p.o_part),
                   static_cast<const float*>(run.p.lse_part), int(R), int(M), run.splits, run.p.out, run.p.lse);
   }
 }
@@ -757,7 +756,7 @@ at::Tensor mla_tree_attention_output_cuda(const at::Tensor& q, const at::Tensor&
   if (R * N == 0) return out;
   const int bph = int((dv + kOutRows - 1) / kOutRows);
   launch_kernel(mla_merge_output_kernel, dim3(unsigned(H * bph), unsigned(R * N)), dim3(kOutWarps * 32), 0,
-                at::cuda::getCurrentCUDAStream(), pdl_enabled("mla"),
+                at::cuda::getCurrentCUDAStream(), launch_pdl(),
                 run.splits > 1 ? static_cast<const float*>(run.p.o_part) : nullptr,
                 run.splits > 1 ? static_cast<const float*>(run.p.lse_part) : nullptr,
                 run.splits > 1 ? nullptr : static_cast<const __nv_bfloat16*>(run.p.out),
@@ -816,10 +815,7 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
   const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
-  // KDTREE_MLA_MIN_CHUNK=n: the fewest keys per split (A/B runs; read per call; default kMinChunk)
-  int min_chunk = kMinChunk;
-  if (const char* env = std::getenv("KDTREE_MLA_MIN_CHUNK")) min_chunk = std::max(16, std::min(1 << 20, std::atoi(env)));
-  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, min_chunk);
+  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, kMinChunk);
 
   const at::Tensor out = make_out(splits);
   Params& p = run.p;
@@ -839,8 +835,8 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   p.num_pages = num_pages;
   p.max_keys = int(max_keys);
   p.num_splits = splits;
-  p.min_chunk = min_chunk;
-  p.early = prefix_ready && prewait_enabled("mla");
+  p.min_chunk = kMinChunk;
+  p.early = prefix_ready;
   p.scale_log2 = float(softmax_scale * double(kLog2e));
   run.splits = splits;
   if (splits > 1) {  // static size: one CUDA graph serves every length

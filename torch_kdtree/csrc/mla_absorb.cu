@@ -35,7 +35,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 namespace kdtree {
 namespace {
@@ -272,7 +271,7 @@ at::Tensor mla_prepare_cuda(const at::Tensor& q, const at::Tensor& ckv, const at
            int(w_kv_b.size(0) / heads - dn), int(dc), int(dr), float(eps), interleave};
   const int blocks = int(heads * (dc / kCols) + (M + kWarps - 1) / kWarps);
   launch_kernel(mla_prepare_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(),
-                pdl_enabled("mla"), p);
+                launch_pdl(), p);
   return out;
 }
 
@@ -295,7 +294,7 @@ at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, in
   const c10::cuda::CUDAGuard guard(o_lat.device());
   const int blocks = int(heads * ((dv + kOutRows - 1) / kOutRows));
   launch_kernel(mla_output_kernel, dim3(unsigned(blocks)), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(),
-                pdl_enabled("mla"), reinterpret_cast<const bf16*>(o_lat.data_ptr()),
+                launch_pdl(), reinterpret_cast<const bf16*>(o_lat.data_ptr()),
                 reinterpret_cast<const bf16*>(w_kv_b.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), int(M),
                 int(heads), int(dn), int(dv), int(dc));
   return out;
@@ -319,10 +318,10 @@ at::Tensor mla_output_cuda(const at::Tensor& o_lat, const at::Tensor& w_kv_b, in
 //   3. the split's partial (latent sum, max, sum) pushed to every block the same way; once all 8 are
 //      in, every block merges them (fixed order, so all 8 agree), rounds the latent row to bf16 and
 //      multiplies its W_UV rows (mla_wuv.cuh).
-//   The pushes replaced cluster barriers (kPush = false, KDTREE_MLA_PUSH=0: stores into the other
-//   blocks' shared memory, cluster.sync(), reads of theirs, and a last barrier that kept every
-//   block's shared memory alive until all had read it; the same bits).  A cluster barrier with
-//   release semantics is a MEMBAR.ALL.GPU on sm_90, three per block (RESULTS.md run 126).
+//   The pushes replaced cluster barriers (stores into the other blocks' shared memory,
+//   cluster.sync(), reads of theirs, and a last barrier that kept every block's shared memory alive
+//   until all had read it; the same bits).  A cluster barrier with release semantics is a
+//   MEMBAR.ALL.GPU on sm_90, three per block (RESULTS.md run 126).
 // The committed length, the block table and the committed rows are read before the wait only with
 // prefix_ready (pdl.cuh's rule); the query, ckv, cos / sin and the slots after it.
 constexpr int kDecC = 8;                          // cluster size = key splits per head
@@ -339,7 +338,7 @@ constexpr int kDecMaxDn = 256, kDecMaxDv = kDecC * kWarps * kWuvRowsPerWarp;
 constexpr int kDecMaxPages = 256;                 // block-table entries of a split kept in shared memory
 static_assert(kDecPhases * kDecRegRows == 128, "dn <= 128 in registers");
 
-// The cluster exchanges of mla_decode (kPush): weak asynchronous stores into another block's shared
+// The cluster exchanges of mla_decode: weak asynchronous stores into another block's shared
 // memory (st.async, sm_90+), each completing its bytes on the receiver's mbarrier, which the receiver
 // waits on.  A cluster barrier with release semantics (cg's cluster.sync()) compiles to MEMBAR.ALL.GPU
 // on sm_90 -- a wait until every earlier memory access of the thread is performed GPU-wide, taken
@@ -384,7 +383,7 @@ struct DecodeParams {
   KD_TRACE_FIELD
 };
 
-template <int NS, bool kPush>
+template <int NS>
 __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t ring[];  // NS stages of kDecTile cache rows
   __shared__ __align__(16) bf16 qs[kDecD];           // the head's attention query (all 8 blocks' columns)
@@ -395,13 +394,11 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   __shared__ float sc[kDecTile];                    // the tile's scores (log2 domain)
   __shared__ float ps[kDecTile];                    // its probabilities against the running max
   __shared__ float s_alpha;                         // the running sums' rescale factor
-  __shared__ __align__(16) float part_o[kDecDc];    // this split's unnormalised latent sum
-  __shared__ float part_ml[2];                      // its running max (log2 domain) and sum
   __shared__ __align__(16) bf16 o_s[kDecDc];
-  // kPush: the two exchanges' barriers (query columns, partials) and every split's partial, pushed
-  // here by its block (recv_o[k], recv_ml[k] = split k's latent sum and (max, sum))
+  // the two exchanges' barriers (query columns, partials) and every split's partial, pushed here by
+  // its block (recv_o[k], recv_ml[k] = split k's latent sum and (max, sum))
   __shared__ alignas(8) uint64_t xbar[2];
-  __shared__ __align__(16) float recv_o[kPush ? kDecC : 1][kDecDc];
+  __shared__ __align__(16) float recv_o[kDecC][kDecDc];
   __shared__ float2 recv_ml[kDecC];
   cg::cluster_group cluster = cg::this_cluster();
   const int s = int(cluster.block_rank());
@@ -431,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     for (int i = 0; i < kDecDc / 256; ++i)
       nw[i] = ld_stream_early(reinterpret_cast<const uint4*>(p.norm_w + 8 * (lane + 32 * i)));
   }
-  if (kPush && tid == 0) {  // initialised before the cluster barrier below lets anyone push here
+  if (tid == 0) {  // initialised before the cluster barrier below lets anyone push here
     mbar_init(&xbar[0], 1);
     mbar_init(&xbar[1], 1);
     fence_mbar_init();
@@ -552,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
   __syncthreads();
   KD_TRACE(p.trace, 3);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // every block of the cluster has started
-  if (kPush && tid == 0) {  // this block's single arrival on each, with the bytes the 8 blocks push
+  if (tid == 0) {  // this block's single arrival on each, with the bytes the 8 blocks push
     mbar_expect_tx(&xbar[0], kDecC * kDecCols * 2);
     mbar_expect_tx(&xbar[1], kDecC * (kDecDc * 4 + 8));
   }
@@ -561,23 +558,16 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) v += red[w][tid];
     const bf16 b = __float2bfloat16(v);
-    if (kPush) {  // columns tid, tid + 1 as one word from the even thread, to every block
-      const uint32_t lo = __bfloat16_as_ushort(b);
-      const uint32_t hi = __shfl_down_sync(0xffffffffu, lo, 1);
-      if ((tid & 1) == 0) {
+    // columns tid, tid + 1 as one word from the even thread, to every block
+    const uint32_t lo = __bfloat16_as_ushort(b);
+    const uint32_t hi = __shfl_down_sync(0xffffffffu, lo, 1);
+    if ((tid & 1) == 0) {
 #pragma unroll
-        for (int k = 0; k < kDecC; ++k)
-          st_async_b32(cluster_addr(qs + s * kDecCols + tid, k), lo | (hi << 16), cluster_addr(&xbar[0], k));
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kDecC; ++k) cluster.map_shared_rank(qs, k)[s * kDecCols + tid] = b;
+      for (int k = 0; k < kDecC; ++k)
+        st_async_b32(cluster_addr(qs + s * kDecCols + tid, k), lo | (hi << 16), cluster_addr(&xbar[0], k));
     }
   }
-  if (kPush)
-    mbar_wait(&xbar[0], 0);
-  else
-    cluster.sync();  // 2. every block's query row is whole
+  mbar_wait(&xbar[0], 0);  // 2. every block's query row is whole
   KD_TRACE(p.trace, 4);
 
   // Scores: 8 threads per key (tid / 8), each 9 of the row's 72 pieces (tid % 8 + 8 k), summed over
@@ -643,67 +633,46 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const DecodePar
     tile_step(reinterpret_cast<const uint8_t*>(newk), 1);
     KD_TRACE(p.trace, 11);
   }
-  if (kPush) {  // this split's partial to every block (warp 0's running max and sum)
 #pragma unroll
-    for (int k = 0; k < kDecC; ++k) {
-      const uint32_t bar = cluster_addr(&xbar[1], k);
-      st_async_v2f32(cluster_addr(&recv_o[s][2 * tid], k), o0, o1, bar);
-      if (tid == 0) st_async_v2f32(cluster_addr(&recv_ml[s], k), m_run, l_run, bar);
-    }
-  } else {
-    if (tid == 0) {  // warp 0's running max and sum
-      part_ml[0] = m_run;
-      part_ml[1] = l_run;
-    }
-    reinterpret_cast<float2*>(part_o)[tid] = make_float2(o0, o1);
+  for (int k = 0; k < kDecC; ++k) {  // this split's partial to every block (warp 0's running max and sum)
+    const uint32_t bar = cluster_addr(&xbar[1], k);
+    st_async_v2f32(cluster_addr(&recv_o[s][2 * tid], k), o0, o1, bar);
+    if (tid == 0) st_async_v2f32(cluster_addr(&recv_ml[s], k), m_run, l_run, bar);
   }
   KD_TRACE(p.trace, 5);
-  if (kPush)
-    mbar_wait(&xbar[1], 0);  // 3. every split's partial is here
-  else
-    cluster.sync();  // 3. every split's partial is in its block's shared memory
+  mbar_wait(&xbar[1], 0);  // 3. every split's partial is here
   KD_TRACE(p.trace, 6);
 
   float mk[kDecC], lk[kDecC], mx = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kDecC; ++k) {
-    if (kPush) {
-      mk[k] = recv_ml[k].x;
-      lk[k] = recv_ml[k].y;
-    } else {
-      const float* ml = cluster.map_shared_rank(part_ml, k);
-      mk[k] = ml[0];
-      lk[k] = ml[1];
-    }
+    mk[k] = recv_ml[k].x;
+    lk[k] = recv_ml[k].y;
     mx = fmaxf(mx, mk[k]);
   }
   float sum = 0.f, a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int k = 0; k < kDecC; ++k) {
     const float wgt = mk[k] == -INFINITY ? 0.f : exp2f(mk[k] - mx);
-    const float2 o = kPush ? reinterpret_cast<const float2*>(recv_o[k])[tid]
-                           : reinterpret_cast<const float2*>(cluster.map_shared_rank(part_o, k))[tid];
+    const float2 o = reinterpret_cast<const float2*>(recv_o[k])[tid];
     sum = fmaf(wgt, lk[k], sum);
     a0 = fmaf(wgt, o.x, a0);
     a1 = fmaf(wgt, o.y, a1);
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   reinterpret_cast<__nv_bfloat162*>(o_s)[tid] = __floats2bfloat162_rn(a0 * inv, a1 * inv);
-  if (kPush)
-    __syncthreads();  // o_s is whole (nothing reads another block's shared memory)
-  else
-    cluster.sync();  // o_s is whole; no block's shared memory is read after this
+  __syncthreads();  // o_s is whole (nothing reads another block's shared memory)
   if (uv_warp)
     wuv_rows_times(o_s + 8 * lane, kDecDc / kWuvCols, wv, lane, d0, dv_w, p.out, (int64_t(r) * p.heads + h) * p.dv);
   KD_TRACE(p.trace, 7);
 }
 
-// The most clusters of mla_decode_kernel<NS, kPush> (kDecC blocks each, NS ring stages) resident on
+// The most clusters of mla_decode_kernel<NS> (kDecC blocks each, NS ring stages) resident on
 // the current device at once, by the occupancy API: 0 when a block's static and dynamic shared memory
 // exceed the per-block limit (or the query fails).  Cached per device.  H200 (ncu, RESULTS.md run
 // 138): 30 at 2 stages (two 98 KB blocks per SM), 15 at 3 (135 KB: one block per SM, and 132 SMs
 // hold only 15 groups of 8 within a GPC).
-template <int NS, bool kPush>
+template <int NS>
 int decode_max_clusters(const cudaDeviceProp& prop, int device) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices] = {};  // 0: not asked yet; else clusters + 1 (any thread)
@@ -711,7 +680,7 @@ int decode_max_clusters(const cudaDeviceProp& prop, int device) {
     const int c = cache[device].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = mla_decode_kernel<NS, kPush>;
+  auto kernel = mla_decode_kernel<NS>;
   int clusters = 0;
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
@@ -738,13 +707,13 @@ int decode_max_clusters(const cudaDeviceProp& prop, int device) {
   return clusters;
 }
 
-template <int NS, bool kPush>
+template <int NS>
 void launch_mla_decode(DecodeParams p, int R, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<NS, kPush>;
+  auto kernel = mla_decode_kernel<NS>;
   KD_TRACE_SET(p, kTraceMlaDecode, dim3(unsigned(p.heads * kDecC), unsigned(R)));
   raise_dynamic_smem(kernel, NS * kDecStageBytes);
   launch_kernel_ex(kernel, dim3(unsigned(p.heads * kDecC), unsigned(R)), dim3(kThreads), dim3(kDecC, 1, 1),
-                   size_t(NS) * kDecStageBytes, stream, pdl_enabled("mla"), p);
+                   size_t(NS) * kDecStageBytes, stream, launch_pdl(), p);
 }
 
 at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& cos, const at::Tensor& sin,
@@ -786,10 +755,7 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
                  block_table.data_ptr<int32_t>(), cache_lens.data_ptr<int32_t>(),
                  reinterpret_cast<bf16*>(out.data_ptr()), capacity, int(heads), int(dn), int(dv),
                  int(kv_cache.size(2)), int(block_table.size(1)), int(kv_cache.size(1)), float(eps),
-                 float(softmax_scale * 1.44269504088896341), interleave, prefix_ready && prewait_enabled("mla")};
-  // The cluster exchanges: pushed with st.async onto mbarriers (default), or KDTREE_MLA_PUSH=0 written
-  // and read through cluster barriers (cluster.sync(); read per call, A/B runs; the same bits).
-  const bool push = env_switch_on("KDTREE_MLA_PUSH");
+                 float(softmax_scale * 1.44269504088896341), interleave, prefix_ready};
   // Ring stages (the keys' copies in flight per block):
   // - 3 when the launch fills at most half the SMs (room beside the neighbouring kernels' blocks) and
   //   all its clusters fit on the device at once at 3 stages (K2's 8 heads per TP-8 rank on an H200:
@@ -800,26 +766,17 @@ at::Tensor mla_decode_cuda(const at::Tensor& q, const at::Tensor& ckv, const at:
   //   measured 0.5503 -> 0.5874 ms (run 134), at 4 stages 7-9 % slower (runs 73, 104): only 15
   //   clusters of 135 KB blocks fit on the H200, so the 16th waits for another to finish (run 138:
   //   its blocks enter ~9 us after the others; ncu 19.0-19.6 vs 12.8-13.3 us a launch);
-  // - KDTREE_MLA_DECODE_STAGES=2, 3 or 4 overrides it (A/B runs; read per call);
-  // - 2 wherever a block's shared memory does not hold more (sm_120's 99 KB a block).
+  // - 2 wherever a block's shared memory does not hold more (sm_120's 99 KB a block: no cluster fits
+  //   at 3 stages, decode_max_clusters<3> is 0).
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int device = q.get_device();
-  auto max_clusters = [&](int ns) {
-    if (ns == 4) return push ? decode_max_clusters<4, true>(*prop, device) : decode_max_clusters<4, false>(*prop, device);
-    if (ns == 3) return push ? decode_max_clusters<3, true>(*prop, device) : decode_max_clusters<3, false>(*prop, device);
-    return push ? decode_max_clusters<2, true>(*prop, device) : decode_max_clusters<2, false>(*prop, device);
-  };
   const int64_t clusters = int64_t(p.heads) * R;
-  int stages = clusters * kDecC <= prop->multiProcessorCount / 2 && clusters <= max_clusters(3) ? 3 : 2;
-  if (const char* env = std::getenv("KDTREE_MLA_DECODE_STAGES")) stages = std::min(4, std::max(2, std::atoi(env)));
-  if (stages > 2 && max_clusters(stages) == 0) stages = 2;  // a block does not fit
+  const bool three = clusters * kDecC <= prop->multiProcessorCount / 2 &&
+                     clusters <= decode_max_clusters<3>(*prop, q.get_device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (stages == 4)
-    push ? launch_mla_decode<4, true>(p, int(R), stream) : launch_mla_decode<4, false>(p, int(R), stream);
-  else if (stages == 3)
-    push ? launch_mla_decode<3, true>(p, int(R), stream) : launch_mla_decode<3, false>(p, int(R), stream);
+  if (three)
+    launch_mla_decode<3>(p, int(R), stream);
   else
-    push ? launch_mla_decode<2, true>(p, int(R), stream) : launch_mla_decode<2, false>(p, int(R), stream);
+    launch_mla_decode<2>(p, int(R), stream);
   return out;
 }
 

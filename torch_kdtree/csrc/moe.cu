@@ -22,7 +22,7 @@
 //   4. combine: out[t] = sum_j y[t, j] in fixed order j = 0..k-1 (fp32), skipping entries
 //      whose expert is not on this rank.  No float atomics anywhere.
 // Decode-sized calls (int4_decode_applies: T·k <= 32) skip all four for two GEMV launches
-// (moe_decode.cu) with the same numerics up to fp32 summation order (KDTREE_INT4_DECODE=0: not).
+// (moe_decode.cu) with the same numerics up to fp32 summation order.
 // Launches after the first use programmatic dependent launch (pdl.cuh).
 // Bounds: decode sizes stream the touched experts' weights (0.5 byte per weight + 1/16 for the
 // scales) once; every weight byte feeds block_size tokens, so large T becomes mma-bound.
@@ -40,8 +40,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 namespace kdtree {
@@ -670,7 +668,7 @@ void run_moe(const MoeDims& d, const at::Tensor& x, const at::Tensor& w13_q, con
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const IdT* ids = topk_ids.data_ptr<IdT>();
   const int64_t n1 = 2 * d.I / kCtaN, n2 = d.H / kCtaN;
-  const bool pdl = pdl_enabled("int4");
+  const bool pdl = launch_pdl();
   if (int4_decode_applies(d.T, d.topk, d.H, d.I)) {  // a few slots: two GEMV launches (moe_decode.cu)
     Int4DecodeArgs a{};
     a.x = reinterpret_cast<const bf16*>(x.data_ptr());

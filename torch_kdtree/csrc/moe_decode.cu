@@ -1,4 +1,4 @@
-// int4_moe's decode path (the default; KDTREE_INT4_DECODE=0 turns it off): for a handful of (token, expert) slots (T·k <= 32) the grouped
+// int4_moe's decode path: for a handful of (token, expert) slots (T·k <= 32) the grouped
 // GEMMs of moe.cu (align, gate/up, down, combine: four launches with a sort and a padded expert
 // block each) have nothing to share between tokens, so two GEMV launches read every touched
 // expert's weights once instead.  Same inputs, layout (ops/moe.py), workspace (its act region)
@@ -45,8 +45,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 namespace kdtree {
 namespace {
@@ -426,13 +424,12 @@ int4_decode_down_kernel(const bf16* __restrict__ act, const uint4* __restrict__ 
 
 // gate/up's K splits (a unit = a slot's 32 w13 channels): none while there are at least half as
 // many units as SMs (run 44, K2 TP-8 rank: 15.5 us at T 1 unsplit, 17.6 in 4 splits, 21.4 in 2;
-// unsplit as fast or faster at T 2 and 4), else about one block per SM; at most a portable
-// cluster, at least one k64 tile per warp.  KDTREE_INT4_DECODE_SPLITS=n asks for n instead
-// (tuning runs and tests; the same bounds apply).
+// unsplit as fast or faster at T 2 and 4; k2_slice's decode step with 2, 3 or 4 splits within
+// 0.6 % of unsplit, run 172), else about one block per SM; at most a portable cluster, at least one
+// k64 tile per warp.
 int up_splits(const Int4DecodeArgs& a, int sms) {
   const int64_t units = a.I / 16 * a.T * a.topk;
-  int64_t want = 2 * units >= sms ? 1 : (sms + units - 1) / units;
-  if (const char* env = std::getenv("KDTREE_INT4_DECODE_SPLITS")) want = std::atoi(env);
+  const int64_t want = 2 * units >= sms ? 1 : (sms + units - 1) / units;
   return int(std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, want, a.H / 64 / kWarps})));
 }
 
@@ -479,16 +476,13 @@ void launch_decode(const Int4DecodeArgs& a, cudaStream_t stream, bool pdl) {
 }  // namespace
 
 bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I) {
-  if (T * topk > kInt4DecodeMaxSlots || topk > kMaxTopk || topk * I * 2 > kInt4DecodeMaxBytes ||
-      H * 2 > kInt4DecodeMaxBytes)
-    return false;
-  const char* v = std::getenv("KDTREE_INT4_DECODE");
-  return v == nullptr ? kInt4DecodeDefault : std::strcmp(v, "0") != 0;
+  return T * topk <= kInt4DecodeMaxSlots && topk <= kMaxTopk && topk * I * 2 <= kInt4DecodeMaxBytes &&
+         H * 2 <= kInt4DecodeMaxBytes;
 }
 
 void int4_moe_decode(const Int4DecodeArgs& a, bool ids_int64) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool pdl = pdl_enabled("int4");
+  const bool pdl = launch_pdl();
   if (ids_int64)
     launch_decode<int64_t>(a, stream, pdl);
   else

@@ -8,10 +8,9 @@
 
 namespace kdtree {
 
-constexpr int64_t kInt4DecodeMaxSlots = 32;            // T · k at most this: two GEMV launches
-// On unless KDTREE_INT4_DECODE=0: on the H200 it beat the grouped path for the K2 TP-8 rank at
-// T = 1, 2 and 4 (15.7 vs 25.1, 24.8 vs 37.2, 45.1 vs 55.5 us; bench/RESULTS.md run 45).
-constexpr bool kInt4DecodeDefault = true;
+// T · k at most this: two GEMV launches.  On the H200 they beat the grouped path for the K2 TP-8
+// rank at T = 1, 2 and 4 (15.7 vs 25.1, 24.8 vs 37.2, 45.1 vs 55.5 us; bench/RESULTS.md run 45).
+constexpr int64_t kInt4DecodeMaxSlots = 32;
 constexpr int64_t kInt4DecodeMaxBytes = 32 * 1024;  // shared memory for a token's x (H) or k · I activations
 
 // Optional parts of a decode-path call: a bf16 shared expert (weight 1; all three or none) gate /
@@ -41,8 +40,7 @@ struct Int4DecodeArgs {
   Int4DecodeExtra extra;      // optional shared expert and residual
 };
 
-// Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe);
-// KDTREE_INT4_DECODE=0 / 1 turns the path off / on (read per call, for A/B runs and tests).
+// Whether a call of this shape takes the decode path (shape only, so CUDA-graph safe).
 bool int4_decode_applies(int64_t T, int64_t topk, int64_t H, int64_t I);
 
 void int4_moe_decode(const Int4DecodeArgs& args, bool ids_int64);

@@ -17,10 +17,7 @@
 // kdtree::moe_route launched just before this op, which chose the routing from those logits: the
 // model's router gemv, then moe_route), the shared expert's blocks instead come first in the grid
 // and run whole before the wait.  Before its wait, down prefetches the shared expert's row into
-// L2 (the early route, KDTREE_MOE_DOWN_LATE_ROUTE=0: also the rows its token's experts will need,
-// and the first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows and of the shared
-// expert's row into registers -- coherent loads, bf16_vec.cuh's ld_stream_early; KDTREE_PREWAIT
-// without "moe_gemv" issues them after the wait).
+// L2; it reads the routing after the wait (moe_down_kernel says why).
 // Ids outside [0, E) contribute nothing (eager calls reject them first): nothing is read out of
 // bounds.  Needs H and I multiples of 8 (16-byte rows); no tensor cores (a GEMV has nothing to
 // reuse), so the same code runs on sm_90 and sm_120.
@@ -48,11 +45,10 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxTopk = 16;
 constexpr int kSlotBatch = 4;  // down: slots whose rows a warp streams together
 constexpr int kSharedBatch = 2;  // down: 16-byte chunks per lane of the shared expert's row loaded up front
-constexpr int kEarlyChunks = 1;  // down: 16-byte chunks per lane of the first slots' rows loaded up front
 
 // NB 16-byte chunks (c, c + 32, ...) of a gate row and an up row against x: all loads first.
 // kCg: x through L2 (ld.global.cg), for blocks that read it before their programmatic-launch wait.
-template <int NB, bool kSync, bool kCg = false>
+template <int NB, bool kCg = false>
 __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur, const uint4* xr, int c, float& g,
                                                float& u) {
   uint4 gv[NB], uv[NB], xv[NB];
@@ -66,8 +62,9 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
   // A memory barrier for the warp's loads: ptxas cannot sink a load below it, so all 3·NB loads
   // are in flight together (without it, it interleaved them with the FMAs of earlier chunks,
   // about two weight loads in flight per lane).  The lanes of a short last batch diverge (the
-  // loops' bounds depend on the lane), hence the active mask.
-  if (kSync) __syncwarp(__activemask());
+  // loops' bounds depend on the lane), hence the active mask.  Without it: 2p2b's decode step 0.6265
+  // against 0.6183 ms (RESULTS.md run 84).
+  __syncwarp(__activemask());
 #pragma unroll
   for (int s = 0; s < NB; ++s) {
     g = dot8(gv[s], xv[s], g);
@@ -87,7 +84,6 @@ __device__ __forceinline__ void gate_up_chunks(const uint4* gr, const uint4* ur,
 // T .. T·k + T - 1.  The same arithmetic either way (the same bits).
 // bench/RESULTS.md runs 148-149: waiting before the write (the blocks holding their slots until
 // moe_route ends) was slower than not starting early at all; without the wait, 1.4 % faster on 2p2b.
-template <bool kSync>
 __global__ void __launch_bounds__(kThreads)
 moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate,
                    const __nv_bfloat16* __restrict__ up, const int32_t* __restrict__ ids, int k, int E, int H,
@@ -123,9 +119,9 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
     auto dots = [&](auto cg) {
       constexpr bool kCg = decltype(cg)::value;
       int c = lane;
-      for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8, kSync, kCg>(gr, ur, xr, c, g, u);
-      for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kSync, kCg>(gr, ur, xr, c, g, u);
-      for (; c < chunks; c += 32) gate_up_chunks<1, kSync, kCg>(gr, ur, xr, c, g, u);
+      for (; c + 32 * 7 < chunks; c += 32 * 8) gate_up_chunks<8, kCg>(gr, ur, xr, c, g, u);
+      for (; c + 32 * 3 < chunks; c += 32 * 4) gate_up_chunks<4, kCg>(gr, ur, xr, c, g, u);
+      for (; c < chunks; c += 32) gate_up_chunks<1, kCg>(gr, ur, xr, c, g, u);
     };
     if (now)
       dots(std::true_type{});
@@ -143,20 +139,17 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
   KD_TRACE(trace, 4);
 }
 
-// kLateRoute (the default; KDTREE_MOE_DOWN_LATE_ROUTE=0, read per call, selects the early route for
-// A/B runs): before the programmatic-launch wait only the shared expert's row is prefetched into L2;
-// the routing and every first load come after it, and the routed rows stream whole in the slot loop.
+// The routing is read after the programmatic-launch wait: before it only the shared expert's row is
+// prefetched into L2, and the routed rows stream whole in the slot loop.
 // - Why: in 2p2b's traces (runs 128, 138) the early route's pre-wait part -- the ids' L2 round trip,
-//   the routed rows' L2 prefetch and first chunks into registers (KDTREE_PREWAIT) -- took 2.5-3.6 us
-//   beside gate/up's streaming while the wait then returned at once, so it sat on the critical path.
+//   the routed rows' L2 prefetch and first chunks into registers -- took 2.5-3.6 us beside gate/up's
+//   streaming while the wait then returned at once, so it sat on the critical path.
 // - Run 141 (H200, 2p2b, interleaved ab twice): late route 0.5482 / 0.5480 ms a step against
 //   0.5517 / 0.5504 early, the same tokens; capped at 96 registers (one q_a + kv_a gemv block beside
 //   two down blocks) it was 0.5498 / 0.5495, not kept.
-// - At most 128 registers (two blocks of kThreads per SM: H / 8 blocks per token in one wave; the
-//   late route takes 106 on sm_90, 108 on sm_120, no spills).  __maxnreg__ rather than
-//   __launch_bounds__(kThreads, 2): the late route's SASS is then the one run 141 measured (the early
-//   route's is the same either way).
-template <bool kLateRoute>
+// - At most 128 registers (two blocks of kThreads per SM: H / 8 blocks per token in one wave; it
+//   takes 106 on sm_90, 108 on sm_120, no spills).  __maxnreg__ rather than
+//   __launch_bounds__(kThreads, 2): the SASS is then the one run 141 measured.
 __global__ void __maxnreg__(128)
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
@@ -166,54 +159,20 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
   KD_TRACE(trace, 0);
   const int t = blockIdx.y, h = blockIdx.x * kWarps + warp;
   const int chunks = I / 8, schunks = Is / 8;
-  // The first kEarlyChunks chunks per lane of the first kSlotBatch slots' rows (w0) and of the
-  // shared expert's row (sw): loaded before the wait when `early`, else right after it.
-  uint4 w0[kSlotBatch][kEarlyChunks], sw[kSharedBatch];
   const uint4* sr = shared_down != nullptr ? reinterpret_cast<const uint4*>(shared_down + int64_t(h) * Is) : nullptr;
-  auto shared_first_loads = [&](auto load) {
-    if (sr != nullptr) {
-#pragma unroll
-      for (int q = 0; q < kSharedBatch; ++q)
-        if (lane + 32 * q < schunks) sw[q] = load(sr + lane + 32 * q);
-    }
-  };
-  auto first_loads = [&](const int (&e0)[kSlotBatch], auto load) {
-#pragma unroll
-    for (int q = 0; q < kSlotBatch; ++q)
-#pragma unroll
-      for (int u = 0; u < kEarlyChunks; ++u) {
-        const int c = lane + 32 * u;
-        if (e0[q] >= 0 && c < chunks) w0[q][u] = load(reinterpret_cast<const uint4*>(down + (int64_t(e0[q]) * H + h) * I) + c);
-      }
-    shared_first_loads(load);
-  };
-  // Before gate/up is done -- late route: the shared expert's row into L2; early route: the ids (two
-  // kernels back, complete once gate/up let this grid launch; read through L2), this warp's down rows
-  // into L2 and, when `early`, the first chunks into registers.
-  int e0[kSlotBatch];
-  if (kLateRoute) {
-    if (h < H && sr != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
-  } else if (h < H) {
-    int es[kMaxTopk];  // all ids first: one L2 round trip
-#pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) es[j] = j < k ? __ldcg(ids + t * k + j) : -1;
-#pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j)
-      if (es[j] >= 0 && es[j] < E) l2_prefetch_range(down + (int64_t(es[j]) * H + h) * I, int64_t(I) * 2, lane);
-    if (shared_down != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
-#pragma unroll
-    for (int q = 0; q < kSlotBatch; ++q) e0[q] = es[q] >= 0 && es[q] < E ? es[q] : -1;
-    if (early) first_loads(e0, [](const uint4* a) { return ld_stream_early(a); });
-  }
+  // Before gate/up is done: the shared expert's row into L2.
+  if (h < H && sr != nullptr) l2_prefetch_range(shared_down + int64_t(h) * Is, int64_t(Is) * 2, lane);
   KD_TRACE(trace, 1);
   pdl_wait();
   KD_TRACE(trace, 2);
   pdl_launch_dependents();
   if (h >= H) return;
-  if (kLateRoute) {  // the shared expert's first chunks; the routed rows stream whole in the slot loop
-    shared_first_loads([](const uint4* a) { return ld_stream(a); });
-  } else if (!early) {
-    first_loads(e0, [](const uint4* a) { return ld_stream(a); });
+  // The shared expert's first kSharedBatch chunks per lane; the routed rows stream whole in the slot loop.
+  uint4 sw[kSharedBatch];
+  if (sr != nullptr) {
+#pragma unroll
+    for (int q = 0; q < kSharedBatch; ++q)
+      if (lane + 32 * q < schunks) sw[q] = ld_stream(sr + lane + 32 * q);
   }
   float acc = 0.f;
   // The shared expert (weight 1): its first kSharedBatch chunks per lane in flight with the
@@ -242,23 +201,8 @@ moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __re
       ar[q] = reinterpret_cast<const uint4*>(act + int64_t(ok[q] ? slot : 0) * I);
       d[q] = 0.f;
     }
-    int c = lane;
-    if (!kLateRoute && j0 == 0) {  // the first chunks, already in registers
-#pragma unroll
-      for (int u = 0; u < kEarlyChunks; ++u, c += 32) {
-        if (c < chunks) {
-          uint4 av[kSlotBatch];
-#pragma unroll
-          for (int q = 0; q < kSlotBatch; ++q)
-            if (ok[q]) av[q] = __ldg(ar[q] + c);
-#pragma unroll
-          for (int q = 0; q < kSlotBatch; ++q)
-            if (ok[q]) d[q] = dot8(w0[q][u], av[q], d[q]);
-        }
-      }
-    }
 #pragma unroll 2
-    for (; c < chunks; c += 32) {
+    for (int c = lane; c < chunks; c += 32) {
       uint4 wv[kSlotBatch], av[kSlotBatch];
 #pragma unroll
       for (int q = 0; q < kSlotBatch; ++q)
@@ -338,22 +282,17 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* actp = reinterpret_cast<__nv_bfloat16*>(act.data_ptr());
   const int32_t* idp = topk_ids.data_ptr<int32_t>();
-  const bool pdl = pdl_enabled("moe_gemv");
-  // KDTREE_MOE_GEMV_SYNC=0: the gate/up kernel without its load barrier (A/B runs).
-  const bool sync = env_switch_on("KDTREE_MOE_GEMV_SYNC");
+  const bool pdl = launch_pdl();
   const dim3 gu_grid(unsigned((gu_rows + kWarps - 1) / kWarps), unsigned(T * k + (has_shared ? T : 0)));
-  launch_kernel(sync ? moe_gate_up_kernel<true> : moe_gate_up_kernel<false>, gu_grid,
+  launch_kernel(moe_gate_up_kernel, gu_grid,
                 dim3(kThreads), 0, stream, pdl, xp, reinterpret_cast<const __nv_bfloat16*>(gate.data_ptr()),
                 reinterpret_cast<const __nv_bfloat16*>(up.data_ptr()), idp, int(k), int(E), int(H), int(I), sg, su,
                 int(Is), int(T), has_shared && route_logits.has_value(), actp KD_TRACE_ARG(kTraceMoeGateUp, gu_grid));
   const dim3 down_grid(unsigned((H + kWarps - 1) / kWarps), unsigned(T));
-  // KDTREE_MOE_DOWN_LATE_ROUTE=0 (A/B runs; read per call): the early-route down kernel, whose
-  // pre-wait weight loads KDTREE_PREWAIT governs.
-  const bool late = env_switch_on("KDTREE_MOE_DOWN_LATE_ROUTE");
-  launch_kernel(late ? moe_down_kernel<true> : moe_down_kernel<false>, down_grid, dim3(kThreads), 0, stream, pdl,
+  launch_kernel(moe_down_kernel, down_grid, dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
-                prewait_enabled("moe_gemv"),
+                true,
                 residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr()) : nullptr,
                 reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) KD_TRACE_ARG(kTraceMoeDown, down_grid));
   return out;

@@ -64,8 +64,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   const c10::cuda::CUDAGuard guard(logits.device());
   const int threads = int((std::max<int64_t>(E, n_group) + 31) / 32 * 32);
   launch_kernel(moe_route_kernel, dim3(unsigned(T)), dim3(unsigned(threads)), 0, at::cuda::getCurrentCUDAStream(),
-                pdl_enabled("moe_route"), logits.data_ptr<float>(), bias.data_ptr<float>(),
-                prewait_enabled("moe_route"), int(E), int(top_k), int(n_group),
+                launch_pdl(), logits.data_ptr<float>(), bias.data_ptr<float>(),
+                true, int(E), int(top_k), int(n_group),
                 int(topk_group), renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>()
                 KD_TRACE_ARG(kTraceMoeRoute, dim3(unsigned(T))));
   return {ids, weights};

@@ -247,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_router_cuda(
     raise_dynamic_smem(kernel, smem);
   const int blocks = int((E * rs + kWarps - 1) / kWarps);
   launch_kernel(kernel, dim3(unsigned(blocks), unsigned(chunks)), dim3(kThreads), size_t(smem),
-                at::cuda::getCurrentCUDAStream(), pdl_enabled("moe_route"), p);
+                at::cuda::getCurrentCUDAStream(), launch_pdl(), p);
   return {x_norm, logits, ids, weights};
 }
 

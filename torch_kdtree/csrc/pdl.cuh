@@ -34,23 +34,26 @@
 // rule above holds across them as long as every one of them waits somewhere -- a Triton kernel
 // that never waited could complete before its predecessor.  tests/test_generate.py checks that
 // every PDL-launched Triton kernel of the compiled AR and DDTree steps calls gdc_wait.
-// Both instructions are no-ops in a normal launch.  KDTREE_PDL=0 launches every kernel normally,
-// KDTREE_PDL=gemv,mla (say) only those groups with PDL (read per call, for A/B runs); likewise
-// KDTREE_PREWAIT for the pre-wait loads into registers and shared memory (gemv, gemv_norm, moe_gemv,
-// moe_route, mla).
+// Both instructions are no-ops in a normal launch.  Whether the kernels launch with PDL is one
+// process-wide option, launch_pdl(), set from Python (torch_kdtree.envs' KDTREE_PDL at import,
+// torch_kdtree.ops.set_pdl later) and read at each launch, so a CUDA graph keeps the value it was
+// captured with.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
 
 namespace kdtree {
+
+// Whether our kernels launch with programmatic dependent launch (bindings.cpp holds the option;
+// kdtree::_set_launch_options sets it).
+bool launch_pdl();
+
 namespace {
 
 __device__ __forceinline__ void pdl_wait() {
@@ -83,37 +86,6 @@ __device__ __forceinline__ void l2_prefetch_range(const void* p, int64_t bytes, 
   const char* c = static_cast<const char*>(p);
   for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128) l2_prefetch(c + off);
 }
-
-// An on/off A/B switch (read per call): on unless environment variable `var` is "0".
-inline bool env_switch_on(const char* var) {
-  const char* v = std::getenv(var);
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
-// Whether environment variable `var` enables `group`: yes when it is unset or "1", no when it is "0",
-// else whether it is a comma-separated list of groups that names this one.
-inline bool env_group_enabled(const char* var, const char* group) {
-  const char* v = std::getenv(var);
-  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
-  if (std::strcmp(v, "0") == 0) return false;
-  const size_t n = std::strlen(group);
-  for (const char* p = v; *p != 0;) {
-    const char* end = std::strchr(p, ',');
-    const size_t len = end != nullptr ? size_t(end - p) : std::strlen(p);
-    if (len == n && std::strncmp(p, group, n) == 0) return true;
-    if (end == nullptr) break;
-    p = end + 1;
-  }
-  return false;
-}
-
-// Whether the kernels of `group` (gemv, moe_gemv, moe_route, mla, int4) launch with PDL (KDTREE_PDL).
-inline bool pdl_enabled(const char* group) { return env_group_enabled("KDTREE_PDL", group); }
-
-// Whether the kernels of `group` (gemv, moe_gemv, mla) load data into registers or shared memory
-// before their wait (KDTREE_PREWAIT, read per call like KDTREE_PDL; for A/B runs).  Off, they only
-// prefetch into L2 there, as before.
-inline bool prewait_enabled(const char* group) { return env_group_enabled("KDTREE_PREWAIT", group); }
 
 // Raises kernel's limit on dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize) on
 // the current device to at least `bytes`, and never lowers it.  Setting it to each launch's own size

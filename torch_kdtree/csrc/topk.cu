@@ -56,8 +56,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <cstdint>
 
 namespace kdtree {
@@ -705,16 +703,12 @@ void launch_cluster(const at::Tensor& logits, int64_t rows, const ClusterPlan& p
 // Whether to run the shared-memory-chunk instance with NV slots: when the launch runs in waves
 // (more CTAs than SMs; one wave is latency bound and keeps the register instance) and three of
 // its CTAs fit on one SM (H200: yes; sm_120, 100 KB per SM: no, the register instance keeps two
-// per SM).  KDTREE_TOPK_CHUNK=registers or =shared forces one (tests run both on one GPU).
+// per SM).
 template <int NV>
 bool use_smem_chunk(const at::Tensor& logits, int64_t rows, int S) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(logits.get_device());
   const size_t per_cta = sizeof(TopkShared) + dyn_smem_bytes<NV, true>() + prop->reservedSharedMemPerBlock;
   const bool fits = 3 * per_cta <= prop->sharedMemPerMultiprocessor;
-  if (const char* e = std::getenv("KDTREE_TOPK_CHUNK"); e != nullptr && e[0] != 0) {
-    if (std::strcmp(e, "registers") == 0) return false;
-    if (std::strcmp(e, "shared") == 0) return per_cta <= prop->sharedMemPerBlockOptin;
-  }
   return fits && rows * S > prop->multiProcessorCount;
 }
 

@@ -1,5 +1,6 @@
 """Typed wrappers over the ``torch.ops.kdtree`` ops; importing registers CPU and fake kernels."""
 from ._checks import set_value_checks, value_checks
+from .launch import pdl, pdl_enabled, set_pdl
 from .ddtree import (Accepted, Tree, ddtree_build, ddtree_build_reference, kv_commit, kv_commit_reference,
                      tree_accept, tree_accept_reference)
 

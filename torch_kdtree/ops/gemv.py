@@ -18,7 +18,7 @@ normalised input that a router's experts read next), so a norm, a router and mor
 the same input are one launch.
 
 The CUDA kernel (csrc/gemv.cu) streams each weight once (bulk copies into shared-memory stages, or
-loads into registers with ``KDTREE_GEMV_RING=0``: the same bits) with its loads issued before the prologue:
+loads into registers where those do not fit: the same bits) with its loads issued before the prologue:
 made for a few rows (decode, up to a handful of tokens), where a GEMM's fixed cost and a separate
 norm kernel dominate; larger M works (blocks of 4 rows re-read the weight) but belongs to a GEMM.
 The CPU kernel is :func:`gemv_reference`.

@@ -24,10 +24,9 @@ The CPU kernels are the pure-torch references below; the CUDA kernels live in cs
 (four launches per call: align, gate/up GEMM, down GEMM, combine).  Decode-sized calls (T · k <=
 32, H and k · I at most 16 K values; chosen from shapes only) take csrc/moe_decode.cu instead:
 two GEMV launches that read each touched expert once (on the H200, for the K2 TP-8 rank, 15.7 vs
-25.1 µs at T = 1 and 45.1 vs 55.5 µs at T = 4; bench/RESULTS.md run 45).  The environment
-variable ``KDTREE_INT4_DECODE=0`` sends them to the grouped GEMMs (A/B runs, tests).  Both paths
-chain their launches with programmatic dependent launch unless the environment sets
-``KDTREE_PDL=0``.
+25.1 µs at T = 1 and 45.1 vs 55.5 µs at T = 4; bench/RESULTS.md run 45).  Both paths chain
+their launches with programmatic dependent launch unless it is off (``KDTREE_PDL=0``,
+:func:`torch_kdtree.ops.set_pdl`).
 """
 from __future__ import annotations
 
@@ -300,7 +299,7 @@ def int4_moe_workspace_bytes(num_tokens: int, topk: int, num_experts: int, hidde
 
 def int4_decode_path_fits(num_tokens: int, topk: int, hidden_size: int, intermediate_size: int) -> bool:
     """Whether a CUDA call of this shape takes the two-launch decode path (csrc/moe_decode.cu's
-    ``int4_decode_applies``, without its ``KDTREE_INT4_DECODE`` switch): T * k <= 32 slots,
+    ``int4_decode_applies``): T * k <= 32 slots,
     k <= 16, and a token's x and its k * I activations fit the kernels' 32 KB of bf16."""
     return (num_tokens * topk <= DECODE_MAX_SLOTS and topk <= MAX_TOPK and 2 * topk * intermediate_size
             <= DECODE_MAX_BYTES and 2 * hidden_size <= DECODE_MAX_BYTES)
