@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_kdtree.ops import Int4MoEWeights, int4_moe, int4_moe_weights
+from torch_kdtree.ops import Int4MoEWeights, int4_dequantize, int4_layout_fits, int4_moe, int4_moe_weights
 
 from .fixed_dtype import FixedDtype
 
@@ -108,6 +108,9 @@ class KimiK2Experts(FixedDtype):
       computed by :func:`torch_kdtree.ops.int4_moe`.
 
     The loader fills either with :meth:`set_dense` / :meth:`set_int4`; each drops the other storage.
+    INT4 experts of sizes ``int4_moe`` does not tile (H not a multiple of 128, I of 64: test-sized
+    configs) are stored dequantised as dense weights (in the model's dtype after a cast) and
+    ``dequantized`` says why.
     """
 
     _INT4 = ("w13_qweight", "w13_scales", "w2_qweight", "w2_scales")
@@ -116,6 +119,7 @@ class KimiK2Experts(FixedDtype):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.group_size = 0  # INT4 group size; 0 while the storage is dense
+        self.dequantized: str | None = None  # why INT4 experts are stored dense (set_int4)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -158,6 +162,14 @@ class KimiK2Experts(FixedDtype):
             raise ValueError(f"KimiK2Experts.set_int4: expected stacked [E, out, in/8] and [E, out, in/group] "
                              f"tensors, got {tuple(gate_packed.shape)} and {tuple(gate_scale.shape)}")
         group_size = 8 * gate_packed.shape[-1] // gate_scale.shape[-1]
+        E, I, H = gate_packed.shape[0], gate_packed.shape[1], 8 * gate_packed.shape[2]
+        if not int4_layout_fits(H, I, group_size):
+            deq = [int4_dequantize(p, s, group_size) for p, s in
+                   ((gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))]
+            self.set_dense(*deq)
+            self.dequantized = (f"INT4 experts of H = {H}, I = {I} (group {group_size}) are outside int4_moe's "
+                                f"tiles (H % 128, I % 64): stored dequantised")
+            return
         weights = int4_moe_weights(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
                                    group_size=group_size)
         self._drop(self._DENSE)
@@ -165,6 +177,7 @@ class KimiK2Experts(FixedDtype):
         for name, t in weights.tensors().items():
             self.register_buffer(name, t)
         self.group_size = weights.group_size
+        self.dequantized = None
 
     def int4_weights(self) -> Int4MoEWeights:
         return Int4MoEWeights(self.w13_qweight, self.w13_scales, self.w2_qweight, self.w2_scales, self.group_size)

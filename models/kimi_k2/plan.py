@@ -43,7 +43,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from torch_kdtree.ops.gemv import MAX_K as GEMV_MAX_K
 from torch_kdtree.ops.moe import int4_decode_path_fits
+from torch_kdtree.ops.moe_gemv import MAX_TOPK as MOE_GEMV_MAX_K
 from torch_kdtree.ops.moe_route import MAX_EXPERTS as ROUTE_MAX_E, MAX_GROUPS as ROUTE_MAX_G, MAX_TOPK as ROUTE_MAX_K
 
 # kdtree::gemv: at most this many rows (one block of rows in the kernel); the fused projections,
@@ -118,6 +120,7 @@ class LayerPlan:
     shared: str = ""
     matvec: bool = False
     route_hint: bool = False
+    reduce: bool = False  # tensor parallel: all-reduce the attention and MLP outputs, residual added after
 
     @property
     def reference(self) -> bool:
@@ -134,6 +137,8 @@ class LayerPlan:
             parts.append(f"mlp={self.mlp}")
         if self.matvec:
             parts.append("matvec")
+        if self.reduce:
+            parts.append("all_reduce")
         return " ".join(parts)
 
 
@@ -141,10 +146,10 @@ def _reference_like(lp: LayerPlan) -> LayerPlan:
     """The reference forward's choices for a layer of the same kind as ``lp``."""
     attention = "expanded" if lp.attention == "expanded" else "torch"
     if not lp.experts:
-        return LayerPlan(attention)
+        return LayerPlan(attention, reduce=lp.reduce)
     int4 = lp.experts == "int4_moe"  # INT4 storage has one implementation: int4_moe (its reference on CPU)
     return LayerPlan(attention, router="linear", route="topk", experts="int4_moe" if int4 else "gathered",
-                     shared=lp.shared if lp.shared == "none" else "torch")
+                     shared=lp.shared if lp.shared == "none" else "torch", reduce=lp.reduce)
 
 
 @dataclass(frozen=True)
@@ -184,8 +189,15 @@ class PassPlan:
 # the rules
 # --------------------------------------------------------------------------------------------
 
-def _hooked(*modules: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+def _gemv_takes(*modules: nn.Linear) -> bool:
+    """kdtree::gemv's shape contract for these layers' inputs: K a multiple of 8 up to its MAX_K."""
+    return all(m.weight.shape[1] % 8 == 0 and m.weight.shape[1] <= GEMV_MAX_K for m in modules)
+
+
+def _hooked(*modules: nn.Module, ours: frozenset = frozenset()) -> bool:
+    """Whether a wrapper hooks one of the modules (hooks with ids in ``ours``, tensor parallelism's
+    reductions, are the plan's to run)."""
+    return any(set(m._forward_hooks) - ours or set(m._forward_pre_hooks) - ours for m in modules)
 
 
 def _plain_bf16(*modules: nn.Module) -> bool:
@@ -204,6 +216,9 @@ class _Planner:
         self.dtype, self.cache_keys = dtype, cache_keys
         self.bf16 = dtype == torch.bfloat16
         self.reasons: list[str] = []
+        tp = getattr(model, "tp", None)
+        self.ours = frozenset(tp.hook_ids) if tp is not None else frozenset()
+        self.reduce = tp is not None  # at world 1 too: the collectives stay in the graph (NCCL size-1 runs)
 
     def note(self, reason: str) -> None:
         if reason not in self.reasons:
@@ -217,9 +232,10 @@ class _Planner:
         projections = ((attn.q_proj,) if hasattr(attn, "q_proj") else (attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj))
         qkv = "torch"
         if t.has("gemv") and self.bf16 and self.rows <= FUSED_ROWS:
-            if _hooked(attn):
+            if _hooked(attn, ours=self.ours):
                 self.note("hooked attention: its projections run as module calls")
-            elif _plain_bf16(layer.input_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj, *projections):
+            elif (_plain_bf16(layer.input_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj, *projections)
+                  and _gemv_takes(attn.kv_a_proj_with_mqa, attn.o_proj, *projections[::2])):
                 qkv = "gemv_norm"
         dc, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
         if not (dc == MLA_LATENT and dr == MLA_ROPE):
@@ -244,8 +260,9 @@ class _Planner:
     # feed-forward ------------------------------------------------------------------------
     def dense_mlp(self, layer) -> str:
         mlp, t = layer.mlp, self.t
-        if (t.has("gemv") and self.bf16 and self.rows <= FUSED_ROWS and not _hooked(mlp)
-                and _plain_bf16(layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if (t.has("gemv") and self.bf16 and self.rows <= FUSED_ROWS and not _hooked(mlp, ours=self.ours)
+                and _plain_bf16(layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                and _gemv_takes(mlp.gate_proj, mlp.down_proj)):
             return "gemv_norm"
         return "torch"
 
@@ -254,21 +271,25 @@ class _Planner:
         gate, experts, shared = moe.gate, moe.experts, moe.shared_experts
         k, E = gate.top_k, gate.weight.shape[0]
         slots = self.rows * k
-        hooked = _hooked(moe, gate, experts, *((shared,) if shared is not None else ()))
+        hooked = _hooked(moe, gate, experts, *((shared,) if shared is not None else ()), ours=self.ours)
         if hooked:
             self.note("hooked MoE block: its router, experts and shared expert run as module calls")
         # the choice
-        if not hooked and t.has("moe_route") and E <= ROUTE_MAX_E and k <= ROUTE_MAX_K and gate.n_group <= ROUTE_MAX_G:
+        if (not hooked and t.has("moe_route") and E <= ROUTE_MAX_E and k <= ROUTE_MAX_K and gate.n_group <= ROUTE_MAX_G
+                and E % gate.n_group == 0):
             route = "moe_route"
         elif t.compiled and t.gpu_forms and self.rows * E * E <= RANK_TOPK_MAX:
             route = "rank_topk"
         else:
             route = "topk"
         # the experts
+        if experts.dequantized is not None:
+            self.note(experts.dequantized)
         if experts.is_int4:
             kind = "int4_moe"
         elif (t.has("moe_gemv") and self.bf16 and experts.gate_proj.dtype == torch.bfloat16
-              and slots <= MOE_GEMV_SLOTS):
+              and slots <= MOE_GEMV_SLOTS and k <= MOE_GEMV_MAX_K
+              and experts.gate_proj.shape[1] % 8 == 0 and experts.gate_proj.shape[2] % 8 == 0):
             kind = "moe_gemv"
         elif t.compiled and t.gpu_forms and slots <= ROW_GEMV_SLOTS:
             kind = "row_gemv"
@@ -292,7 +313,7 @@ class _Planner:
         if hooked:
             router = "module"
         elif (kind == "moe_gemv" and shared_form in ("fused", "none") and route == "moe_route" and t.has("gemv")
-              and self.rows <= FUSED_ROWS and _plain_bf16(layer.post_attention_layernorm, gate)):
+              and self.rows <= FUSED_ROWS and _plain_bf16(layer.post_attention_layernorm, gate) and _gemv_takes(gate)):
             router = "gemv_norm"  # INT4 blocks keep inductor's norm and router kernels (RESULTS.md runs 63, 93, 102)
         elif matvec:
             router = "matvec"
@@ -308,8 +329,8 @@ class _Planner:
         attention, qkv = self.attention(layer)
         matvec = self.t.compiled and self.t.gpu_forms and self.rows <= GEMV_ROWS
         if hasattr(layer.mlp, "experts"):
-            return LayerPlan(attention, qkv, matvec=matvec, **self.moe(layer, matvec))
-        return LayerPlan(attention, qkv, mlp=self.dense_mlp(layer), matvec=matvec)
+            return LayerPlan(attention, qkv, matvec=matvec, reduce=self.reduce, **self.moe(layer, matvec))
+        return LayerPlan(attention, qkv, mlp=self.dense_mlp(layer), matvec=matvec, reduce=self.reduce)
 
 
 def _grouped_mm_available() -> bool:

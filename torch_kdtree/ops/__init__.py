@@ -14,8 +14,8 @@ from .mla_absorb import (mla_decode, mla_decode_reference, mla_output, mla_outpu
                          mla_prepare_reference, mla_tree_attention_output, mla_tree_attention_output_reference)
 
 # ---- INT4 MoE ----
-from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
-                  int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
+from .moe import (Int4MoEPlan, Int4MoEWeights, int4_dequantize, int4_layout_fits, int4_moe, int4_moe_out,
+                  int4_moe_plan, int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_repack_reference,
                   int4_unpack)
 
 # ---- bf16 MoE for decode-sized batches ----

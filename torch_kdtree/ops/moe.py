@@ -219,6 +219,13 @@ class Int4MoEWeights(NamedTuple):
                 int4_dequantize(dp, ds, g, dtype))
 
 
+def int4_layout_fits(hidden_size: int, intermediate_size: int, group_size: int) -> bool:
+    """Whether :func:`int4_moe_weights` can repack experts of these sizes for :func:`int4_moe`: H a
+    multiple of 128, I of 64, both of the group size (one of 32, 64, 128)."""
+    return (group_size in GROUP_SIZES and hidden_size % CTA_N == 0 and intermediate_size % TILE_K == 0
+            and hidden_size % group_size == 0 and intermediate_size % group_size == 0)
+
+
 def int4_moe_weights(gate_packed: torch.Tensor, gate_scale: torch.Tensor, up_packed: torch.Tensor,
                      up_scale: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor, *,
                      group_size: int = 32) -> Int4MoEWeights:
