@@ -219,7 +219,8 @@ class DFlashDraftModel(nn.Module):
         c = self.config
         device = torch.device(device) if device is not None else self.device
         slots = -(-(capacity + c.block_size) // _SLOT_ALIGN) * _SLOT_ALIGN
-        shape = (c.num_hidden_layers, num_requests, slots, c.num_key_value_heads, c.head_dim)
+        kv_heads = self.layers[0].self_attn.num_kv_heads if len(self.layers) else c.num_key_value_heads  # per rank
+        shape = (c.num_hidden_layers, num_requests, slots, kv_heads, c.head_dim)
         self.context_k = torch.zeros(shape, dtype=self.dtype, device=device)
         self.context_v = torch.zeros(shape, dtype=self.dtype, device=device)
         self.context_lengths = torch.zeros(num_requests, dtype=torch.int64, device=device)

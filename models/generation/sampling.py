@@ -97,8 +97,12 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     return (c * ARGMAX_CHUNK + inner.gather(-1, c))[..., 0]
 
 
-def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingParams | None) -> torch.Tensor:
-    """int64 [R, N]: the target's token at each of N nodes of R requests from logits [R, N, V]."""
+def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingParams | None, tp=None) -> torch.Tensor:
+    """int64 [R, N]: the target's token at each of N nodes of R requests from logits [R, N, V]
+    (with ``tp``, a tensor-parallel head's vocabulary shard [R, N, V / world] on each rank:
+    :func:`select_tokens_sharded`)."""
+    if tp is not None and tp.world > 1:
+        return select_tokens_sharded(logits, mode, params, tp)
     if not mode.do_sample:
         return argmax_last(logits)
     if mode.filtered:
@@ -108,4 +112,28 @@ def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingPara
     return argmax_last(scores + gumbel_like(scores))
 
 
-__all__ = ["SamplingMode", "SamplingParams", "process_logits", "select_tokens", "gumbel_like", "argmax_last"]
+def select_tokens_sharded(logits: torch.Tensor, mode: SamplingMode, params: SamplingParams | None,
+                          tp) -> torch.Tensor:
+    """:func:`select_tokens` over a vocabulary split in contiguous shards across the ranks of ``tp``:
+    every rank returns the same global ids, equal to the unsharded result.  Greedy: each shard's
+    first maximum, gathered, the first rank holding the largest (ties to the lower global id, as
+    ``argmax``).  Gumbel-max: every rank draws the noise of the whole vocabulary from the default
+    generator (in step on every rank of the SPMD loop, so the same numbers an unsharded draw
+    gives) and keeps its shard's part.  With top-k / top-p the shards' logits are gathered."""
+    if mode.do_sample and mode.filtered:
+        return select_tokens(tp.all_gather(logits, -1), mode, params)
+    local = logits.shape[-1]
+    start = tp.rank * local
+    if mode.do_sample:
+        scores = logits.float() / params.temperature[:, None, None]
+        noise = gumbel_like(scores.new_empty((*scores.shape[:-1], local * tp.world)))
+        logits = scores + noise[..., start : start + local]
+    idx = argmax_last(logits)
+    best = logits.gather(-1, idx[..., None])[..., 0].float()
+    values, ids = tp.stack(best), tp.stack(idx + start)  # [P, R, N]
+    rank = values.argmax(0)  # the first rank holding the maximum: the lower global id on ties
+    return ids.gather(0, rank[None])[0]
+
+
+__all__ = ["SamplingMode", "SamplingParams", "process_logits", "select_tokens", "select_tokens_sharded", "gumbel_like",
+           "argmax_last"]

@@ -36,7 +36,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from torch_kdtree.ops import ddtree_build, draft_topk, kv_commit, tree_accept, value_checks
+from torch_kdtree.ops import ddtree_build, draft_topk, draft_topk_merge, draft_topk_partial, kv_commit, tree_accept
+from torch_kdtree.ops import value_checks
 
 from .sampling import SamplingMode, SamplingParams, select_tokens
 
@@ -117,6 +118,21 @@ def _own_code(fn, name: str):
     return step
 
 
+def _mesh_of(tp) -> str:
+    """A tensor-parallel model's mesh, as words (``single device`` without one)."""
+    if tp is None:
+        return "a single device"
+    return f"{tp.mesh.device_type} ranks {tp.mesh.mesh.tolist()}"
+
+
+class StepPlans(dict):
+    """The decode plan of each step a session captured, by budget (0: the autoregressive step)."""
+
+    def __str__(self) -> str:
+        return "\n".join(f"budget {b} ({'autoregressive' if b == 0 else f'tree of {b + 1} nodes'}): {plan}"
+                         for b, plan in sorted(self.items()))
+
+
 class PhaseTimer:
     """Per-phase wall time of one eager step: CUDA events on a GPU, perf_counter on the CPU
     (where ops run synchronously)."""
@@ -174,6 +190,16 @@ class GenerationSession:
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
 
         self.target, self.drafter = target, drafter
+        # tensor parallelism (models/parallel.py): logits are vocabulary shards; host decisions are rank 0's
+        self.tp = getattr(target, "tp", None)
+        drafter_tp = getattr(drafter, "tp", None)
+        if drafter is not None and getattr(drafter, "prepare", None) is None and \
+                _mesh_of(drafter_tp) != _mesh_of(self.tp):
+            raise ValueError(f"GenerationSession: the drafter is parallelised over {_mesh_of(drafter_tp)} but the "
+                             f"target over {_mesh_of(self.tp)}; parallelize both over the same device mesh")
+        if self.tp is not None and drafter is not None and getattr(drafter, "prepare", None) is not None:
+            raise NotImplementedError("GenerationSession: the oracle drafter is single-device only (its look-ahead "
+                                      "reads whole-vocabulary logits); use a DFlash drafter under tensor parallelism")
         self.device = target.device
         self.R, self.mode, self.sync_every = batch_size, mode, max(1, int(sync_every))
         self.vocab = target.config.vocab_size
@@ -197,6 +223,11 @@ class GenerationSession:
             drafter.setup_cache(batch_size, max_prompt + max_new + L + 2, device=dev)
             if hasattr(drafter, "attach"):
                 drafter.attach(target, self.cache)
+        # Each step shape's decode plan (which kernels every layer runs), made once here:
+        # budget 0 is one token per request, budget B a tree of B + 1 nodes.
+        self.plan = StepPlans({b: target.model.plan_pass(batch_size, b + 1 if b else 1, tree=True, cache=self.cache,
+                                                         dtype=target.dtype, compiled=bool(compile_step))
+                               for b in self.budgets})
         self.params = SamplingParams(batch_size, self.vocab, dev)
         self.root = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         self.out = torch.zeros(batch_size, self.width, dtype=torch.int64, device=dev)
@@ -246,6 +277,13 @@ class GenerationSession:
             self._timer.mark(name)
 
     def _draft_topk(self, logits: torch.Tensor, k: int):
+        tp = self.tp
+        if tp is not None and logits.shape[-1] * tp.world == self.vocab:  # this rank's vocabulary shard
+            if k > logits.shape[-1]:
+                logits = tp.all_gather(logits, -1)
+            else:  # each shard's top-k, gathered, merged: the ids of the unsplit top-K
+                part = draft_topk_partial(logits.contiguous(), k, tp.rank * logits.shape[-1])
+                return draft_topk_merge(tp.stack(part.values), tp.stack(part.token_ids), tp.stack(part.lse), k)
         if self._topk_kernel:
             return draft_topk(logits.contiguous(), k)
         lp = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # no kernel on this device yet
@@ -262,8 +300,8 @@ class GenerationSession:
         tree = ddtree_build(lp, ids, self.root, budget)
         self._phase("verify")
         positions = cache.lengths.long()[:, None] + tree.depths.clamp(min=0).long()
-        out = target(tree.tokens, positions, cache, tree.visible, tap_layers=self.taps)
-        post = select_tokens(out.logits, self.mode, self.params)
+        out = target(tree.tokens, positions, cache, tree.visible, tap_layers=self.taps, plan=self.plan[budget])
+        post = select_tokens(out.logits, self.mode, self.params, self.tp)
         self._phase("accept")
         acc = tree_accept(tree.tokens, tree.parents, post)
         self._phase("commit")
@@ -285,8 +323,9 @@ class GenerationSession:
         target, cache = self.target, self.cache
         active = ~self.done
         self._phase("verify")
-        out = target(self.root[:, None], cache.lengths.long()[:, None], cache, self._ones, tap_layers=self.taps)
-        post = select_tokens(out.logits, self.mode, self.params)[:, 0]
+        out = target(self.root[:, None], cache.lengths.long()[:, None], cache, self._ones, tap_layers=self.taps,
+                     plan=self.plan[0])
+        post = select_tokens(out.logits, self.mode, self.params, self.tp)[:, 0]
         self._phase("commit")
         count = active.to(torch.int32)
         if self.drafter is not None:  # keeps the drafter's context whole when "auto" switches back
@@ -448,6 +487,10 @@ class GenerationSession:
             seconds = self._timed_seconds() if not profile else sum(r["total_ms"] for r in rows[-steps:]) / 1e3
             step_seconds += seconds
             policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps, steps)
+            if self.tp is not None:  # every rank runs the same steps: rank 0's choice (its own timings) for all
+                policy.current = self.tp.broadcast_object(policy.current)
+                if hasattr(policy, "segment_steps"):
+                    policy.segment_steps = self.tp.broadcast_object(policy.segment_steps)
             if on_poll is not None:
                 on_poll()
         return {"budgets": budgets, "profile": rows, "step_seconds": step_seconds}
@@ -487,7 +530,7 @@ class GenerationSession:
         out = self.target(ids.to(self.device), cache=self.cache, input_lengths=lengths, tap_layers=self.taps,
                           return_logits=False)
         last = out.last_hidden_state[torch.arange(R, device=self.device), lengths - 1]
-        first = select_tokens(self.target.lm_head(last)[:, None], self.mode, self.params)[:, 0]
+        first = select_tokens(self.target.lm_head(last)[:, None], self.mode, self.params, self.tp)[:, 0]
         self.cache.advance(lengths)
         if self.drafter is not None:
             self.drafter.append_context(out.taps, lengths)
@@ -528,4 +571,4 @@ class GenerationSession:
         return {b: (s, c) for b, s, c in zip(self.budgets, sums, counts)}
 
 
-__all__ = ["GenerationSession", "PhaseTimer", "PHASES", "MAX_EOS"]
+__all__ = ["GenerationSession", "PhaseTimer", "StepPlans", "PHASES", "MAX_EOS"]

@@ -133,6 +133,8 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, device=N
     ckpt = scan_checkpoint(path)
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = resolve_dtype(dtype, ckpt.config)
+    tp = getattr(model, "tp", None)  # tensor parallel (models/parallel.py): read this rank's slices only
+    progress = progress and (tp is None or tp.rank == 0)
     plan = _plan(model, ckpt)
     aliases = _alias_groups(model)
     slots = plan["slots"]
@@ -152,14 +154,15 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, device=N
                 raise CheckpointError(f"{file}: cannot open safetensors file: {e}") from e
             with handle:
                 for cname in by_file[file]:
+                    index = _rank_slice(tp, plan["wanted"][cname], ckpt.tensors[cname].shape)
                     try:
-                        t = handle.get_tensor(cname)
+                        t = handle.get_tensor(cname) if index is None else handle.get_slice(cname)[index]
                     except Exception as e:
                         raise CheckpointError(f"{file}: cannot read tensor {cname!r}: {e}") from e
                     info.loaded.append(cname)
                     target = plan["wanted"][cname]
                     if isinstance(target, tuple):
-                        _put_expert(slots[target[0]], cname, target[1:], t, device, dtype, ckpt.quantization)
+                        _put_expert(slots[target[0]], cname, target[1:], t, device, dtype, ckpt.quantization, tp)
                     else:
                         if target in done:
                             continue
@@ -176,6 +179,7 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, device=N
 def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
     """Match checkpoint names to the model's state; collect every missing / mis-shaped / mistyped tensor."""
     quant = ckpt.quantization
+    tp = getattr(model, "tp", None)
     experts = _find_expert_modules(model)
     slots: dict[str, _ExpertSlot] = {}
     wanted: dict[str, Any] = {}
@@ -206,7 +210,8 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
             continue
         cname = ckpt.prefix + name
         wanted[cname] = name
-        expected[cname] = (FLOAT_SOURCE_DTYPES if t.is_floating_point() else (t.dtype,), tuple(t.shape))
+        shape = tp.global_shapes.get(name, tuple(t.shape)) if tp is not None else tuple(t.shape)
+        expected[cname] = (FLOAT_SOURCE_DTYPES if t.is_floating_point() else (t.dtype,), shape)
 
     problems = []
     for name in absent_groups:
@@ -252,7 +257,7 @@ def _plan(model: torch.nn.Module, ckpt: CheckpointFiles) -> dict:
 
 
 def _put_expert(slot: _ExpertSlot, cname: str, where: tuple, t: torch.Tensor, device, dtype,
-                quant: Int4Format | None) -> None:
+                quant: Int4Format | None, tp=None) -> None:
     e, proj, kind = where
     n, k = slot.shapes[proj]
     if kind == "shape":
@@ -260,7 +265,7 @@ def _put_expert(slot: _ExpertSlot, cname: str, where: tuple, t: torch.Tensor, de
             raise CheckpointError(f"wrong value for {cname}: {t.tolist()}, expected [{n}, {k}] (out, in)")
     else:
         if slot.stacks is None:
-            slot.stacks = _allocate_stacks(slot, device, dtype, quant)
+            slot.stacks = _allocate_stacks(slot, device, dtype, quant, tp)
         slot.stacks[f"{proj}.{kind}"][e].copy_(t)
     slot.missing.discard((e, proj, kind))
     if not slot.missing:
@@ -273,12 +278,32 @@ def _put_expert(slot: _ExpertSlot, cname: str, where: tuple, t: torch.Tensor, de
         slot.stacks = None  # the module owns them now
 
 
-def _allocate_stacks(slot: _ExpertSlot, device, dtype, quant: Int4Format | None) -> dict[str, torch.Tensor]:
+def _rank_slice(tp, target, shape) -> tuple | None:
+    """The slices of a checkpoint tensor of ``shape`` this tensor-parallel rank reads (None: all of
+    it): a model tensor's by its placement, a routed expert's by intermediate size."""
+    if tp is None:
+        return None
+    if isinstance(target, tuple):  # (experts module, expert, projection, kind)
+        if target[3] == "shape":
+            return None
+        from ..parallel import INT4_EXPERT_DIMS
+
+        dim = INT4_EXPERT_DIMS[target[2]]
+        n = shape[dim] // tp.world
+        return tuple(slice(tp.rank * n, (tp.rank + 1) * n) if d == dim else slice(None) for d in range(len(shape)))
+    return tp.index(target, tuple(shape)) if target in tp.shard_dims else None
+
+
+def _allocate_stacks(slot: _ExpertSlot, device, dtype, quant: Int4Format | None, tp=None) -> dict[str, torch.Tensor]:
     # Only unloaded layers' tensors are allocated, and only once their first expert tensor arrives,
     # so at most the layers that straddle the current shard boundary are held here.
     num_experts = slot.num_experts
     stacks = {}
     for proj, (n, k) in slot.shapes.items():
+        if tp is not None:  # this rank's slice: gate / up by output rows, down by input columns
+            from ..parallel import INT4_EXPERT_DIMS
+
+            n, k = (n // tp.world, k) if INT4_EXPERT_DIMS[proj] == 0 else (n, k // tp.world)
         if quant is None:
             stacks[f"{proj}.weight"] = torch.empty(num_experts, n, k, dtype=dtype, device=device)
         else:
@@ -362,14 +387,38 @@ def empty_weights(dtype: torch.dtype | None = None) -> Iterator[None]:
         torch.set_default_dtype(old_dtype)
 
 
+def tp_mesh(device_mesh, tp_plan, device):
+    """The tensor-parallel mesh from_pretrained shards over: ``device_mesh``, or with
+    ``tp_plan="auto"`` every process of the default group (on ``device``'s type, default CUDA when
+    available); None for a single-device model."""
+    if tp_plan is None:
+        return device_mesh
+    if tp_plan != "auto":
+        raise ValueError(f"tp_plan must be 'auto' or None, got {tp_plan!r} (the placement is the model's own)")
+    if device_mesh is not None:
+        raise ValueError("pass device_mesh or tp_plan='auto', not both")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("tp_plan='auto' needs an initialised process group (run under torchrun and call "
+                           "torch.distributed.init_process_group first)")
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(kind, (dist.get_world_size(),))
+
+
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "token",
                "_from_auto", "adapter_kwargs", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors")
 
 
 def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, dtype=None, torch_dtype=None,
                     device=None, device_map=None, output_loading_info: bool = False, progress: bool = True,
-                    subfolder: str = "", **kwargs):
+                    subfolder: str = "", device_mesh=None, tp_plan=None, **kwargs):
     """``cls.from_pretrained`` for a local K2.x checkpoint directory (see :func:`load_checkpoint`).
+
+    ``device_mesh`` (a 1-D DeviceMesh) loads this rank's tensor-parallel shard, reading only its
+    slices (models/parallel.py); ``tp_plan="auto"`` does so over every process of the initialised
+    default process group (e.g. under torchrun), as transformers users expect.
 
     Takes what ``AutoModelForCausalLM.from_pretrained`` passes on (``config``, hub arguments,
     ``trust_remote_code`` — never used: no remote code runs).  ``device_map`` may name one
@@ -397,6 +446,11 @@ def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None
         config = cls.config_class.from_pretrained(directory)
     with empty_weights(dtype):
         model = cls(config, *model_args)
+    mesh = tp_mesh(device_mesh, tp_plan, device)
+    if mesh is not None:
+        from ..parallel import parallelize
+
+        parallelize(model, mesh)
     info = load_checkpoint(model, directory, device=device, dtype=dtype, progress=progress)
     if device is not None:
         model.to(device)  # non-persistent buffers built on the host; loaded tensors are already there

@@ -52,12 +52,13 @@ def _o_proj(attn, out, residual, mv: bool):
     return linear(attn.o_proj, out, mv)
 
 
-def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None):
+def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None, add_residual: bool = True):
     """The attention of a tree pass as ``lp`` says.  With ``norm`` (``lp.qkv == "gemv_norm"``) x is
-    the residual stream and the result is ``x + attention(norm(x))``."""
+    the residual stream and the result is ``x + attention(norm(x))`` (``attention(norm(x))`` without
+    ``add_residual``: tensor parallelism adds it after the reduction)."""
     mv = lp.matvec
     q, ckv = _projections(attn, x, norm, mv)
-    residual = x if norm is not None else None
+    residual = x if norm is not None and add_residual else None
     R, N = x.shape[:2]
     cache = batch.cache
     heads = attn.kv_b_proj.weight.shape[0] // (attn.qk_nope_head_dim + attn.v_head_dim)
@@ -109,11 +110,11 @@ def mlp(module, x, mv: bool):
     return linear(module.down_proj, F.silu(linear(module.gate_proj, x, mv)) * linear(module.up_proj, x, mv), mv)
 
 
-def mlp_gemv_norm(module, h, norm):
+def mlp_gemv_norm(module, h, norm, add_residual: bool = True):
     """``h + MLP(norm(h))`` in two kdtree::gemv launches (the norm inside gate/up's, SwiGLU and the
-    residual add inside down's)."""
+    residual add inside down's; ``MLP(norm(h))`` without ``add_residual``)."""
     g, u = fused_gemv(h, [module.gate_proj.weight, module.up_proj.weight], norm.weight, norm.eps)
-    return fused_gemv(g, [module.down_proj.weight], up=u, residual=h)[0]
+    return fused_gemv(g, [module.down_proj.weight], up=u, residual=h if add_residual else None)[0]
 
 
 def route(gate, logits, how: str):
@@ -144,8 +145,9 @@ def experts(module, how: str, x, topk_ids, topk_weights):
     return module(x, topk_ids, topk_weights)  # the reference: int4_moe, or the gathered weights
 
 
-def moe(block, lp: LayerPlan, h, norm):
-    """``h + MoE(norm(h))`` as ``lp`` says."""
+def moe(block, lp: LayerPlan, h, norm, reduce=None):
+    """``h + MoE(norm(h))`` as ``lp`` says (``reduce``: tensor parallelism's all-reduce of the
+    block's partial output, before the residual add)."""
     shape = h.shape
     h2 = h.reshape(-1, shape[-1])
     gate, shared = block.gate, block.shared_experts
@@ -153,23 +155,25 @@ def moe(block, lp: LayerPlan, h, norm):
         logits, x = fused_gemv(h2, [gate.weight], norm.weight, norm.eps, fp32_outputs=1, return_input=True)
     else:
         x = norm(h2)
-        if lp.router == "module":  # hooked: the block's own forward, as a module
+        if lp.router == "module":  # hooked: the block's own forward, as a module (its hooks reduce)
             return h + block(x.view(shape))
         logits = router_logits(gate, x, lp.router)
     topk_ids, topk_weights = route(gate, logits, lp.route)
-    if lp.shared == "fused":  # the shared expert and the residual inside the experts' two launches
+    if lp.shared == "fused":  # the shared expert (and the residual) inside the experts' two launches
         sw = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        res = None if reduce is not None else h2
         if lp.experts == "int4_moe":
-            y = int4_moe(x, block.experts.int4_weights(), topk_ids, topk_weights, shared=sw, residual=h2)
+            y = int4_moe(x, block.experts.int4_weights(), topk_ids, topk_weights, shared=sw, residual=res)
         else:
             e = block.experts
-            y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, *sw, h2,
+            y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, *sw, res,
                          route_logits=logits if lp.route_hint else None)
-        return y.view(shape)
+        return y.view(shape) if reduce is None else h + reduce(y.view(shape))
     y = experts(block.experts, lp.experts, x, topk_ids, topk_weights)
     if shared is not None:
         y = y + mlp(shared, x, lp.matvec)
-    return h + y.view(shape)
+    y = y.view(shape)
+    return h + (y if reduce is None else reduce(y))
 
 
 def _grouped(module, x, topk_ids, topk_weights):
@@ -205,20 +209,33 @@ def _row_gemv(module, x, topk_ids, topk_weights):
 # the layer
 # --------------------------------------------------------------------------------------------
 
-def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int) -> torch.Tensor:
-    """One decoder layer as ``lp`` says (the same function as ``layer(h, ...)``)."""
+def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int, reduce=None) -> torch.Tensor:
+    """One decoder layer as ``lp`` says (the same function as ``layer(h, ...)``).  ``reduce``
+    (tensor parallelism, ``lp.reduce``): the all-reduce the modules' hooks apply to the attention
+    and MLP outputs, applied here where the fused forms bypass the module calls."""
     attn = layer.self_attn
-    if lp.attention == "expanded":  # prefill: the reference attention
+    if reduce is None:
+        reduce = _same
+    if lp.attention == "expanded":  # prefill: the reference attention (a module call: its hooks reduce)
         h = h + attn(layer.input_layernorm(h), cos, sin, batch, layer_idx)
-    elif lp.qkv == "gemv_norm":
+    elif lp.qkv == "gemv_norm" and not lp.reduce:  # the residual inside o_proj's launch
         h = attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm)
+    elif lp.qkv == "gemv_norm":
+        h = h + reduce(attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm,
+                                 add_residual=False))
     else:
-        h = h + attention(attn, lp, layer.input_layernorm(h), cos, sin, batch, layer_idx)
+        h = h + reduce(attention(attn, lp, layer.input_layernorm(h), cos, sin, batch, layer_idx))
     if lp.experts:
-        return moe(layer.mlp, lp, h, layer.post_attention_layernorm)
+        return moe(layer.mlp, lp, h, layer.post_attention_layernorm, reduce if lp.reduce else None)
     if lp.mlp == "gemv_norm":
-        return mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm)
-    return h + mlp(layer.mlp, layer.post_attention_layernorm(h), lp.matvec)
+        if not lp.reduce:
+            return mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm)
+        return h + reduce(mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm, add_residual=False))
+    return h + reduce(mlp(layer.mlp, layer.post_attention_layernorm(h), lp.matvec))
+
+
+def _same(x):
+    return x
 
 
 __all__ = ["layer_forward", "attention", "moe", "mlp", "experts", "route"]
