@@ -55,7 +55,8 @@ class DDTreeGenerateOutput(ModelOutput):
     """sequences [R, T + G]: prompts as given, then the generated tokens, ``pad_token_id`` after a
     request's end.  accept_lengths int [R, steps]: tokens each step emitted per request (0 once
     finished).  budgets: the tree budget of each step (0 = autoregressive).  profile: per-step
-    phase times (ms) and accept lengths, with ``profile=True``.  budget_history: the planner's
+    phase times (ms) and accept lengths, with ``profile=True``, and ``plan``, the session's decode
+    plan (which kernels each layer of each step ran, models/kimi_k2/plan.py).  budget_history: the planner's
     estimates per segment with ``tree_budget="auto"``.  step_seconds: time inside the decoding
     steps (CUDA events; no prefill, no host gaps, no oracle look-ahead)."""
 
@@ -63,6 +64,7 @@ class DDTreeGenerateOutput(ModelOutput):
     accept_lengths: Optional[torch.Tensor] = None
     budgets: Optional[list] = None
     profile: Optional[list] = None
+    plan: Optional[str] = None
     budget_history: Optional[list] = None
     step_seconds: Optional[float] = None
 
@@ -286,6 +288,7 @@ class DDTreeGenerationMixin(GenerationMixin):
         steps = int((log.sum(0) > 0).nonzero().max()) + 1 if log.any() else 0  # drop the idle tail
         return DDTreeGenerateOutput(sequences=sequences, accept_lengths=log[:, :steps],
                                     budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
+                                    plan=str(session.plan) if profile else None,
                                     budget_history=getattr(policy, "history", None) if auto else None,
                                     step_seconds=run["step_seconds"])
 
