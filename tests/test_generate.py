@@ -1185,23 +1185,26 @@ def _checked_route_logits_calls(codes: list[str], op: str) -> int:
 @requires_mla_cuda
 @pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::moe_gemv", "CUDA"),
                     reason="needs the moe_gemv CUDA kernel")
-@pytest.mark.parametrize("router_gemv", [True, False])
-def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_logits_of(monkeypatch, router_gemv):
+@pytest.mark.parametrize("budget", [0, 5], ids=["autoregressive", "tree"])
+def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_logits_of(budget):
     """route_logits promises that kdtree::moe_route is the kernel launched just before the experts'
-    op and that x was complete before it ran.  In the compiled autoregressive step (inductor's
-    wrapper code) of a bf16 target -- its norm and router logits in one kdtree::gemv launch
-    (route_gemv), or its router inside the block (inductor's norm and product) -- every moe_gemv
+    op and that x was complete before it ran.  In the compiled steps (inductor's wrapper code) of a
+    bf16 target -- the autoregressive step, whose plan computes the norm and router logits in one
+    kdtree::gemv launch, and a tree of 6 nodes, whose router product is a GEMM -- every moe_gemv
     call with the hint passes moe_route's own logits, with nothing launched in between, and an x
     named before moe_route."""
     from torch._inductor import utils as inductor_utils
 
-    import torch_kdtree.models.kimi_k2.moe as moe_mod
-    monkeypatch.setattr(moe_mod, "_ROUTER_GEMV", router_gemv)
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     model = tiny_target(95, **GPU_HEADS).to("cuda", torch.bfloat16)  # not gpu_target's: a fresh compile
     ids, mask = prompts(2, 94)
+    R, N = 2, budget + 1
+    moe_plan = model.model.plan_pass(R, N, tree=True, compiled=True).layers[1]
+    assert moe_plan.route_hint and moe_plan.router == ("gemv_norm" if budget == 0 else "mm")
+    drafter = dict(drafter=make_drafter("random_dflash", model, 94, 4).to("cuda", torch.bfloat16),
+                   tree_budget=budget) if budget else {}
     with fresh():
         _, codes = inductor_utils.run_and_get_code(
             lambda: model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=6, eos_token_id=None,
-                                   compile_step=True))
+                                   compile_step=True, **drafter))
     assert _checked_route_logits_calls(codes, "moe_gemv"), "no compiled moe_gemv call with route_logits"

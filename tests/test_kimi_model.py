@@ -103,13 +103,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def decode_one_by_one(model, cache, tokens: torch.Tensor) -> torch.Tensor:
-    """Absorbed decode of tokens [R, T], one step per token, committing each; logits [R, T, V]."""
+def with_attention(plan, form: str):
+    """``plan`` with every layer's attention form replaced by ``form`` (the MLA ops' forms run on the
+    CPU through their reference kernels, in fp32 too)."""
+    return replace(plan, layers=tuple(replace(lp, attention=form) for lp in plan.layers))
+
+
+def decode_one_by_one(model, cache, tokens: torch.Tensor, attention: str | None = None) -> torch.Tensor:
+    """Absorbed decode of tokens [R, T], one step per token, committing each; logits [R, T, V].
+    ``attention``: the plan's attention form for every layer (default: the model's own plan)."""
     R, T = tokens.shape
     visible = torch.ones(R, 1, 1, dtype=torch.bool)
+    plan = model.model.plan_pass(R, 1, tree=True, cache=cache)
+    if attention is not None:
+        plan = with_attention(plan, attention)
     out = []
     for t in range(T):
-        out.append(model(tokens[:, t : t + 1], cache.lengths.long()[:, None], cache, visible).logits)
+        out.append(model(tokens[:, t : t + 1], cache.lengths.long()[:, None], cache, visible, plan=plan).logits)
         cache.advance(1)
     return torch.cat(out, dim=1)
 

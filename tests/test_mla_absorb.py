@@ -161,13 +161,12 @@ def test_compiles_with_fullgraph_on_cpu(fresh_seed):
     assert torch.equal(got, want) and torch.equal(a["kv_cache"], want_cache)
 
 
-def test_models_prepare_path_matches_its_torch_path(monkeypatch):
-    """KimiK2Attention's tree passes with the op (its reference on CPU) and with the torch ops give
-    the same logits and cache: decoding token by token after ragged prompts (shuffled pages), then
-    a three-node tree."""
-    from test_kimi_model import VOCAB, decode_one_by_one, make_model, prefilled_cache, rel_err
-
-    from torch_kdtree.models.kimi_k2 import modeling
+@pytest.mark.parametrize("form", ["prepare", "prepare_output"])
+def test_models_prepare_path_matches_its_torch_path(form):
+    """A decode plan's mla_prepare forms (the op's reference on CPU; with mla_tree_attention or with
+    mla_tree_attention_output) give the torch tree attention's logits and cache: decoding token by
+    token after ragged prompts (shuffled pages), then a three-node tree."""
+    from test_kimi_model import VOCAB, decode_one_by_one, make_model, prefilled_cache, rel_err, with_attention
 
     model = make_model(3)
     g = torch.Generator().manual_seed(4)
@@ -176,38 +175,38 @@ def test_models_prepare_path_matches_its_torch_path(monkeypatch):
     tree = torch.randint(0, VOCAB, (2, 3), generator=g)
     visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3).contiguous()
     runs = []
-    for mode in ("0", "always"):
-        monkeypatch.setattr(modeling, "_MLA_PREPARE", mode)
+    for attention in ("torch", form):
         cache = prefilled_cache(model, prompts, page_size=3)
+        tree_plan = with_attention(model.model.plan_pass(2, 3, tree=True, cache=cache), attention)
         with torch.no_grad():
-            logits = decode_one_by_one(model, cache, tokens)
+            logits = decode_one_by_one(model, cache, tokens, attention)
             depth = torch.tensor([0, 1, 1])
-            tree_logits = model(tree, cache.lengths.long()[:, None] + depth, cache, visible).logits
+            tree_logits = model(tree, cache.lengths.long()[:, None] + depth, cache, visible, plan=tree_plan).logits
         runs.append((logits, tree_logits, cache.kv.clone()))
     (a, ta, kv_a), (b, tb, kv_b) = runs
     assert rel_err(b, a) <= 1e-5 and rel_err(tb, ta) <= 1e-5 and rel_err(kv_b, kv_a) <= 1e-6
 
 
-def test_models_op_choice_by_pass_size(monkeypatch):
-    """auto: mla_prepare only on CUDA bf16 passes of <= PREPARE_ROWS tokens, mla_output only after it
-    and for <= OUTPUT_ROWS tokens; always: both for any pass; 0: neither."""
+def test_models_op_choice_by_pass_size():
+    """The plan on CUDA (bf16): mla_prepare for passes of <= PREPARE_ROWS tokens, with the output op
+    at <= OUTPUT_ROWS (one token of one request: mla_decode, with K2's latent), the torch products
+    around mla_tree_attention above; fp32 or the CPU: the torch tree attention."""
     from test_kimi_model import make_model
 
-    from torch_kdtree.models.kimi_k2 import modeling
+    from torch_kdtree.models.kimi_k2.plan import ALL, OUTPUT_ROWS, PREPARE_ROWS, Target, plan_pass
 
     model = make_model(5)
-    attn = model.model.layers[0].self_attn
-    cache = modeling.KimiK2Cache.for_model(model, 1, 8, dtype=torch.float32)
-    c = model.config
-    q = torch.zeros(1, 1, c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))
-    monkeypatch.setattr(modeling, "_MLA_PREPARE", "auto")
-    assert not attn.prepare_op_ok(q, cache)  # CPU
-    assert attn.output_op_ok(modeling.OUTPUT_ROWS, True) and not attn.output_op_ok(modeling.OUTPUT_ROWS + 1, True)
-    assert not attn.output_op_ok(1, False)
-    monkeypatch.setattr(modeling, "_MLA_PREPARE", "always")
-    assert attn.prepare_op_ok(q, cache) and attn.output_op_ok(64, True)
-    monkeypatch.setattr(modeling, "_MLA_PREPARE", "0")
-    assert not attn.prepare_op_ok(q, cache) and not attn.output_op_ok(1, False)
+    cuda = Target("cuda", False, ALL)
+
+    def attention(R, N, m=model):
+        return plan_pass(m, tokens=N, rows=R * N, tree=True, target=cuda, cache_keys=64).layers[0].attention
+
+    assert attention(1, PREPARE_ROWS) == "tree_op"  # fp32: no bf16 kernel forms
+    bf16 = make_model(5).to(torch.bfloat16)
+    assert attention(1, 1, bf16) == "decode" and OUTPUT_ROWS == 1
+    assert attention(1, 2, bf16) == "prepare" and attention(2, 2, bf16) == "prepare"
+    assert attention(1, PREPARE_ROWS + 1, bf16) == "tree_op"
+    assert plan_pass(bf16, tokens=1, rows=1, tree=True, target=Target("cpu")).layers[0].attention == "torch"
 
 
 # --------------------------------------------------------------------------------------------

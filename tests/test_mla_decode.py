@@ -149,58 +149,51 @@ def test_opcheck_and_compile_cpu(fresh_seed):
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["one_request", "two_ragged_requests"])
 def test_models_decode_path_matches_its_torch_path(monkeypatch, ragged):
-    """KimiK2Attention's one-token passes with mla_decode (its reference on CPU) and with the torch
-    ops give the same logits and cache, decoding token by token after prompts in shuffled pages;
-    a tree pass (three nodes) afterwards does not take the op and matches too."""
+    """A decode plan's mla_decode form (its reference on CPU) and the torch tree attention give the
+    same logits and cache, decoding token by token after prompts in shuffled pages; the op runs in
+    every layer of every one-token pass."""
     from test_kimi_model import VOCAB, decode_one_by_one, make_model, prefilled_cache, rel_err
 
-    from torch_kdtree.models.kimi_k2 import modeling
+    from torch_kdtree.models.kimi_k2 import fused
 
     model = make_model(3)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in ((5, 3) if ragged else (6,))]
     R = len(prompts)
     tokens = torch.randint(0, VOCAB, (R, 4), generator=g)
-    tree = torch.randint(0, VOCAB, (R, 3), generator=g)
-    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(R, 3, 3).contiguous()
     calls = []
-    real = modeling.mla_decode
-    monkeypatch.setattr(modeling, "mla_decode", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    real = fused.mla_decode
+    monkeypatch.setattr(fused, "mla_decode", lambda *args, **kw: calls.append(1) or real(*args, **kw))  # a spy
     runs = []
-    for mode in ("0", "always"):
-        monkeypatch.setattr(modeling, "_MLA_DECODE", mode)
+    for attention in ("torch", "decode"):
         calls.clear()
         cache = prefilled_cache(model, prompts, page_size=3)
         with torch.no_grad():
-            logits = decode_one_by_one(model, cache, tokens)
-            depth = torch.tensor([0, 1, 1])
-            tree_logits = model(tree, cache.lengths.long()[:, None] + depth, cache, visible).logits
-        runs.append((logits, tree_logits, cache.kv.clone(), len(calls)))
-    (a, ta, kv_a, n_a), (b, tb, kv_b, n_b) = runs
-    layers = model.config.num_hidden_layers
-    assert n_a == 0 and n_b == 4 * layers  # the op ran in every layer of every one-token pass, never in the tree's
-    assert rel_err(b, a) <= 1e-5 and rel_err(tb, ta) <= 1e-5 and rel_err(kv_b, kv_a) <= 1e-6
+            logits = decode_one_by_one(model, cache, tokens, attention)
+        runs.append((logits, cache.kv.clone(), len(calls)))
+    (a, kv_a, n_a), (b, kv_b, n_b) = runs
+    assert n_a == 0 and n_b == 4 * model.config.num_hidden_layers
+    assert rel_err(b, a) <= 1e-5 and rel_err(kv_b, kv_a) <= 1e-6
 
 
-def test_models_op_choice(monkeypatch):
-    """auto: only where mla_prepare and the one-token output op run (CUDA, bf16), one node, a cache
-    of at most DECODE_MAX_KEYS positions; always: any one-node pass; 0: never."""
+def test_models_op_choice():
+    """The plan takes mla_decode for one token of one request (bf16 on CUDA, K2's latent) over a
+    cache of at most DECODE_MAX_KEYS positions per request, and says why when the cache is larger."""
     from test_kimi_model import make_model
 
-    from torch_kdtree.models.kimi_k2 import modeling
+    from torch_kdtree.models.kimi_k2.plan import ALL, DECODE_MAX_KEYS, Target, plan_pass
 
-    model = make_model(5)
-    attn = model.model.layers[0].self_attn
-    small = modeling.KimiK2Cache.for_model(model, 1, modeling.DECODE_MAX_KEYS, page_size=64, dtype=torch.float32)
-    large = modeling.KimiK2Cache.for_model(model, 1, modeling.DECODE_MAX_KEYS + 1, page_size=64, dtype=torch.float32)
-    monkeypatch.setattr(modeling, "_MLA_DECODE", "auto")
-    assert not attn.decode_op_ok(1, 1, False, small)  # CPU: prepare_op_ok said no
-    assert attn.decode_op_ok(1, 1, True, small)  # as on CUDA once mla_prepare is taken
-    assert not attn.decode_op_ok(1, 1, True, large) and not attn.decode_op_ok(1, 2, True, small)
-    monkeypatch.setattr(modeling, "_MLA_DECODE", "always")
-    assert attn.decode_op_ok(1, 3, False, large) and not attn.decode_op_ok(2, 2, False, small)
-    monkeypatch.setattr(modeling, "_MLA_DECODE", "0")
-    assert not attn.decode_op_ok(1, 1, True, small)
+    model = make_model(5).to(torch.bfloat16)
+    cuda = Target("cuda", True, ALL)
+
+    def plan(R, keys):
+        return plan_pass(model, tokens=1, rows=R, tree=True, target=cuda, cache_keys=keys)
+
+    assert plan(1, DECODE_MAX_KEYS).layers[0].attention == "decode"
+    large = plan(1, DECODE_MAX_KEYS + 64)
+    assert large.layers[0].attention == "prepare_output"
+    assert any(f"> {DECODE_MAX_KEYS}" in r and "mla_decode" in r for r in large.reasons)
+    assert plan(2, 64).layers[0].attention == "prepare"
 
 
 # --------------------------------------------------------------------------------------------
