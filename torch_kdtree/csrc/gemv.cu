@@ -64,13 +64,13 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxWeights = 4;
 constexpr int kMaxRows = 4;                 // rows of x per block (accumulators per lane)
-constexpr int kNormPrefetch = 4;            // norm-weight chunks per thread loaded with x (K <= 8192)
+constexpr int kNormPrefetch = 4;            // norm-weight chunks per thread loaded before the wait (K <= 8192)
 constexpr int kSmemLimit = 96 * 1024;       // the prologue's rows, within sm_120's 99 KB per block
 constexpr int kDefaultSmem = 48 * 1024;
-constexpr int kMaxStages = 8;               // ring kernel: items in flight per warp, at most
-constexpr int kDefaultStages = 3;           // and by default (H200, RESULTS.md run 62: 2-3 beat 6 and
-                                            // two blocks per SM; fewer stages leave room for the next
-                                            // kernel's blocks to start their loads early)
+constexpr int kDefaultStages = 3;           // ring kernel: items in flight per warp, at most (H200,
+                                            // RESULTS.md run 62: 2-3 beat 6 and two blocks per SM;
+                                            // fewer stages leave room for the next kernel's blocks
+                                            // to start their loads early)
 
 enum Prologue : int { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
 
@@ -89,11 +89,7 @@ struct Params {
   __nv_bfloat16* x_out;           // [M, K]: the prologue's output, or nullptr
   float eps;
   int M, K, rows_per_block, prologue, nseg, rows_total;
-  int early;                      // items (0, 1 or 2) whose loads are issued before pdl_wait
-                                  // (ring kernel: 0 or all of its stages)
-  int stages;                     // ring kernel: stages per warp (2 .. kMaxStages)
-  int norm_early;                 // kRmsNorm: the thread's first kNormPrefetch norm-weight chunks are
-                                  // loaded before pdl_wait, ahead of the weight stream
+  int stages;                     // ring kernel: stages per warp (2 .. kDefaultStages)
   Segment seg[kMaxWeights];
   KD_TRACE_FIELD
 };
@@ -132,30 +128,27 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
 // The block's rows of the GEMV input (bf16) into shared memory: x, RMSNorm(x) · norm_weight or
 // silu(x) · up.  Every block computes it (a few KB from L2).
 // The thread's first kNormPrefetch chunks of the norm weight (kRmsNorm).  A model weight, so the
-// kernels load them before pdl_wait when p.norm_early, ahead of their weight stream: issued after the
-// wait, they were HBM misses queued behind every block's pre-issued weight copies (the norm weight
-// of a layer is long evicted from L2 by the next step).
-template <bool kEarly>
+// kernels load them before pdl_wait, ahead of their weight stream: issued after the wait, they were
+// HBM misses queued behind every block's pre-issued weight copies (the norm weight of a layer is
+// long evicted from L2 by the next step; RESULTS.md run 107: -0.7 % k2_slice, -0.8 % 2p2b steps).
 __device__ __forceinline__ void load_norm(const Params& p, int chunks, uint4 (&gpre)[kNormPrefetch]) {
+  if (p.prologue != kRmsNorm) return;
   const uint4* g = reinterpret_cast<const uint4*>(p.aux);
 #pragma unroll
   for (int i = 0; i < kNormPrefetch; ++i) {
     const int c = threadIdx.x + kThreads * i;
-    if (c < chunks) gpre[i] = kEarly ? ld_stream_early(g + c) : __ldg(g + c);
+    if (c < chunks) gpre[i] = ld_stream_early(g + c);
   }
 }
 
 template <int R>
 __device__ __forceinline__ void prologue(const Params& p, uint4* xs, int m0, int rows, int chunks,
-                                         uint4 (&gpre)[kNormPrefetch]) {
+                                         const uint4 (&gpre)[kNormPrefetch]) {
   __shared__ float partial[R][kWarps];
   __shared__ float rscale[R];
   const uint4* xg = reinterpret_cast<const uint4*>(p.x) + int64_t(m0) * chunks;
   if (p.prologue == kRmsNorm) {
-    const uint4* g = reinterpret_cast<const uint4*>(p.aux);
-    // the norm weight's chunks of this thread: loaded before the wait (p.norm_early), else here,
-    // with x (not after the reduction)
-    if (!p.norm_early) load_norm<false>(p, chunks, gpre);
+    const uint4* g = reinterpret_cast<const uint4*>(p.aux);  // its first chunks: gpre, before the wait
     float ss[R];
 #pragma unroll
     for (int m = 0; m < R; ++m) ss[m] = 0.f;
@@ -273,26 +266,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
       r2 += stride;
     }
   };
-  // Before the predecessor is done (PDL): this warp's first row into L2 and its first p.early
-  // items into registers (weights only: no kernel writes them).
+  // Before the predecessor is done (PDL): this warp's first row into L2 and its first two items
+  // into registers (weights only: no kernel writes them).  Only the first item made no difference
+  // on k2_slice (RESULTS.md run 54).
   uint4 cur[kB], nxt[kB], gpre[kNormPrefetch];
-  if (p.norm_early) load_norm<true>(p, chunks, gpre);
+  load_norm(p, chunks, gpre);
   if (rho < p.rows_total) {
     const Segment seg = locate(p, rho);
     l2_prefetch_range(seg.w + int64_t(rho - seg.row_begin) * p.K, int64_t(p.K) * 2, lane);
-    if (p.early >= 1) load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
-    if (p.early >= 2) {
-      int rho2, b2;
-      successor(rho, 0, rho2, b2);
-      if (rho2 < p.rows_total) load_chunks<kB, true>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
-    }
+    load_chunks<kB, true>(p, rho, 0, chunks, lane, cur);
+    int rho2, b2;
+    successor(rho, 0, rho2, b2);
+    if (rho2 < p.rows_total) load_chunks<kB, true>(p, rho2, b2 * 32 * kB, chunks, lane, nxt);
   }
   KD_TRACE(p.trace, 1);
   pdl_wait();
   KD_TRACE(p.trace, 2);
   pdl_launch_dependents();
 
-  if (rho < p.rows_total && p.early == 0) load_chunks<kB>(p, rho, 0, chunks, lane, cur);  // in flight during the prologue
   prologue<kMaxRows>(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
@@ -300,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const Params
   float acc[kMaxRows];
 #pragma unroll
   for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
-  bool loaded = p.early >= 2;  // nxt already holds the first successor
+  bool loaded = true;  // nxt already holds the first successor
   while (rho < p.rows_total) {
     int rho2, b2;
     successor(rho, b, rho2, b2);
@@ -336,7 +327,7 @@ template <int kB, int R = kMaxRows, int kS = 0>
 __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
   constexpr int kItem = 32 * kB;  // chunks per item (stage)
   extern __shared__ uint4 smem[];  // [rows_per_block][K / 8] prologue output, then the rings
-  __shared__ alignas(8) uint64_t bars[kWarps][kMaxStages];
+  __shared__ alignas(8) uint64_t bars[kWarps][kDefaultStages];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int m0 = int(blockIdx.y) * p.rows_per_block;
   const int rows = min(p.rows_per_block, p.M - m0);
@@ -368,20 +359,17 @@ __global__ void __launch_bounds__(kThreads) gemv_ring_kernel(const Params p) {
     advance(rp, bp);
   };
   uint4 gpre[kNormPrefetch];
-  if (p.norm_early) load_norm<true>(p, chunks, gpre);  // issued before the ring's copies
+  load_norm(p, chunks, gpre);  // issued before the ring's copies
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(bar + s, 1);
     fence_mbar_init();
-    if (p.early > 0)
-      for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
+    for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
   }
   __syncwarp();
   KD_TRACE(p.trace, 1);
   pdl_wait();
   KD_TRACE(p.trace, 2);
   pdl_launch_dependents();
-  if (lane == 0 && p.early == 0)
-    for (int s = 0; s < S && rp < p.rows_total; ++s) produce();
   prologue<R>(p, xs, m0, rows, chunks, gpre);
   KD_TRACE(p.trace, 3);
   store_input(p, xs, m0, rows, chunks);
@@ -528,8 +516,6 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   p.rows_per_block = int(rows_per_block);
   p.nseg = int(nw);
   p.rows_total = int(rows_total);
-  p.early = 2;
-  p.norm_early = p.prologue == kRmsNorm;
   const c10::cuda::CUDAGuard guard(x.device());
   const int smem = int(rows_per_block * K * 2);
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
@@ -538,7 +524,6 @@ std::vector<at::Tensor> gemv_cuda(const at::Tensor& x, at::TensorList weights,
   const bool pdl = launch_pdl();
   if (const int stages = ring_stages(*prop, smem); stages >= 2) {
     p.stages = stages;
-    p.early = 1;
     const int ring_smem = smem + stages * kRingStageBytes;
     // decode (one row of x per block, the default stages): the kernel compiled for exactly that,
     // whose path runs through less code

@@ -84,7 +84,6 @@ struct Params {
   int64_t num_pages;
   int max_keys;                // max_pages * page_size
   int num_splits;
-  int min_chunk;               // kMinChunk
   bool early;                  // committed key tiles copied before pdl_wait (prefix_ready)
   float scale_log2;            // softmax_scale * log2(e)
 };
@@ -151,10 +150,9 @@ struct Tile {
 };
 
 // Split s of request r covers keys [begin, end); empty when begin >= end.
-__device__ __forceinline__ void split_range(int total, int splits, int s, int bn, int min_chunk, int& begin,
-                                            int& end) {
+__device__ __forceinline__ void split_range(int total, int splits, int s, int bn, int& begin, int& end) {
   int chunk = (total + splits - 1) / splits;
-  chunk = max(chunk, min_chunk);
+  chunk = max(chunk, kMinChunk);
   chunk = (chunk + bn - 1) / bn * bn;
   begin = min(s * chunk, total);  // s < splits <= 256 and chunk <= ceil(total/splits) + max(256, bn): no overflow
   end = min(total, begin + chunk);
@@ -192,7 +190,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int L = min(max(__ldcg(p.cache_lens + r), 0), p.max_keys - N);
   const int total = L + N;
   int k_begin, k_end;
-  split_range(total, p.num_splits, split, BN, p.min_chunk, k_begin, k_end);
+  split_range(total, p.num_splits, split, BN, k_begin, k_end);
   if (k_begin >= k_end) {  // only splits > 0 can be empty: mark their rows for the combine
     if (early) {
       pdl_wait();
@@ -668,13 +666,13 @@ void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t strea
 
 // Splits per request from static shapes only: minimise waves x (tiles per split + a fixed cost).
 // The combine's share: its warps walk kCombineWarps * kCombineUnroll splits per round trip.
-int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_keys, int bn, int min_chunk) {
-  const int64_t limit = std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (max_keys + min_chunk - 1) / min_chunk));
+int choose_splits(int64_t ctas_per_split, int64_t ctas_per_wave, int64_t max_keys, int bn) {
+  const int64_t limit = std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (max_keys + kMinChunk - 1) / kMinChunk));
   int best = 1;
   double best_cost = 0;
   for (int64_t s = 1; s <= limit; ++s) {
     const int64_t waves = (ctas_per_split * s + ctas_per_wave - 1) / ctas_per_wave;
-    const int64_t keys = std::max<int64_t>((max_keys + s - 1) / s, min_chunk);
+    const int64_t keys = std::max<int64_t>((max_keys + s - 1) / s, kMinChunk);
     const double combine = s > 1 ? double((s + kCombineWarps * kCombineUnroll - 1) / (kCombineWarps * kCombineUnroll)) : 0.0;
     const double cost = double(waves) * double((keys + bn - 1) / bn + 4) + combine;
     if (s == 1 || cost < 0.97 * best_cost) {
@@ -815,7 +813,7 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
   const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
-  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn, kMinChunk);
+  const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn);
 
   const at::Tensor out = make_out(splits);
   Params& p = run.p;
@@ -835,7 +833,6 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   p.num_pages = num_pages;
   p.max_keys = int(max_keys);
   p.num_splits = splits;
-  p.min_chunk = kMinChunk;
   p.early = prefix_ready;
   p.scale_log2 = float(softmax_scale * double(kLog2e));
   run.splits = splits;

@@ -153,7 +153,7 @@ moe_gate_up_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __r
 __global__ void __maxnreg__(128)
 moe_down_kernel(const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ down,
                 const int32_t* __restrict__ ids, const float* __restrict__ weights, int k, int E, int H, int I,
-                const __nv_bfloat16* __restrict__ shared_down, int Is, int T, bool early,
+                const __nv_bfloat16* __restrict__ shared_down, int Is, int T,
                 const __nv_bfloat16* __restrict__ residual, __nv_bfloat16* __restrict__ out KD_TRACE_PARAM) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   KD_TRACE(trace, 0);
@@ -292,7 +292,6 @@ at::Tensor moe_gemv_cuda(const at::Tensor& x, const at::Tensor& gate, const at::
   launch_kernel(moe_down_kernel, down_grid, dim3(kThreads), 0, stream, pdl,
                 static_cast<const __nv_bfloat16*>(actp), reinterpret_cast<const __nv_bfloat16*>(down.data_ptr()), idp,
                 topk_weights.data_ptr<float>(), int(k), int(E), int(H), int(I), sdp, int(Is), int(T),
-                true,
                 residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr()) : nullptr,
                 reinterpret_cast<__nv_bfloat16*>(out.data_ptr()) KD_TRACE_ARG(kTraceMoeDown, down_grid));
   return out;

@@ -27,7 +27,7 @@ namespace {
 
 
 __global__ void __launch_bounds__(kRouteMaxExperts)
-moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, bool early_bias, int E, int k,
+moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k,
                  int n_group, int topk_group, bool renormalize, float scaling, int32_t* __restrict__ ids,
                  float* __restrict__ weights KD_TRACE_PARAM) {
   __shared__ RouteSmem sm;
@@ -35,7 +35,7 @@ moe_route_kernel(const float* __restrict__ logits, const float* __restrict__ bia
   const int t = blockIdx.x, e = threadIdx.x;
   // the correction bias is a model weight: loaded before the wait (after it, an HBM miss -- the bias
   // is evicted from L2 between steps -- on the path from the logits to the experts)
-  const float b = e < E ? (early_bias ? ld_early_f32(bias + e) : bias[e]) : 0.f;
+  const float b = e < E ? ld_early_f32(bias + e) : 0.f;
   pdl_wait();  // programmatic dependent launch (pdl.cuh): the logits come from the previous kernel
   KD_TRACE(trace, 2);
   // Only after the wait: everything before this launch is then complete when the next kernel starts,
@@ -64,8 +64,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
   const c10::cuda::CUDAGuard guard(logits.device());
   const int threads = int((std::max<int64_t>(E, n_group) + 31) / 32 * 32);
   launch_kernel(moe_route_kernel, dim3(unsigned(T)), dim3(unsigned(threads)), 0, at::cuda::getCurrentCUDAStream(),
-                launch_pdl(), logits.data_ptr<float>(), bias.data_ptr<float>(),
-                true, int(E), int(top_k), int(n_group),
+                launch_pdl(), logits.data_ptr<float>(), bias.data_ptr<float>(), int(E), int(top_k), int(n_group),
                 int(topk_group), renormalize, float(scaling), ids.data_ptr<int32_t>(), weights.data_ptr<float>()
                 KD_TRACE_ARG(kTraceMoeRoute, dim3(unsigned(T))));
   return {ids, weights};
