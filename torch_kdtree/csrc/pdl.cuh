@@ -18,8 +18,8 @@
 //     on everything two or more kernels back being complete;
 //   - before the wait, only L2 prefetches of weights (l2_prefetch: L2 is the device's point of
 //     coherence, so a prefetched line the predecessor is still writing is never read stale), loads
-//     of model weights into registers (never written by any kernel of the step; gemv, moe_gemv's
-//     down, mla_absorb.cu's kernels, gemv's norm weight and moe_route's bias, with ld_stream_early's
+//     of model weights into registers (never written by any kernel of the step; gemv,
+//     mla_absorb.cu's kernels, gemv's norm weight and moe_route's bias, with ld_stream_early's
 //     or ld_early_f32's coherent ld.global: ptxas moves a read-only ld.global.nc whose result is
 //     first used after griddepcontrol.wait to after it) or into shared memory (bulk copies or
 //     cp.async: gemv's ring, the INT4 decode kernels) and
