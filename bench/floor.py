@@ -114,9 +114,9 @@ def step_bytes(target, routed: Sequence[int], context_lengths: Sequence[int], bu
 class RoutedExperts:
     """Counts, on the device, the distinct experts each MoE layer's router sent tokens to while
     this context is open: a forward hook on every router ORs ``bincount(ids) > 0`` into a per-layer
-    mask; :meth:`counts` reads them once.  A hooked router is called as a module, so the model takes
-    its unfused routing path meanwhile (the same choice rule); steps replayed from CUDA graphs call
-    no hooks, so count on an eager session.  Every pass inside the context counts (one step's
+    mask; :meth:`counts` reads them once.  A plan made while the hooks exist calls the routers as
+    modules, so the model takes its unfused routing path meanwhile (the same choice rule); steps
+    replayed from CUDA graphs call no hooks, so count on an eager session.  Every pass inside the context counts (one step's
     verify pass: open it around that step only)."""
 
     def __init__(self, target):
@@ -156,5 +156,13 @@ def routed_experts_of_step(session, budget: int) -> list[int]:
     distinct routed experts per MoE layer (the session's drafter must have no ``prepare`` pass,
     which would run the target too)."""
     with RoutedExperts(session.target) as routed:
-        session.step(budget)
+        # the session planned its steps before the hooks existed: plan this one again, so that the
+        # hooked routers are called as modules (plan.py), and put the session's plan back after
+        planned = session.plan[budget]
+        session.plan[budget] = session.target.model.plan_pass(planned.rows // planned.tokens, planned.tokens, tree=True,
+                                                              cache=session.cache, dtype=planned.dtype)
+        try:
+            session.step(budget)
+        finally:
+            session.plan[budget] = planned
     return routed.counts()

@@ -126,3 +126,19 @@ def test_int4_expert_bytes_are_nibbles_and_group_scales():
 
     experts.set_int4(*compressed(I, H), *compressed(I, H), *compressed(H, I))
     assert expert_bytes(experts) == 3 * H * I // 2 + 2 * (3 * H * I // 32)
+
+
+def test_routed_experts_are_counted_when_the_session_planned_fused_routing(monkeypatch):
+    """A session whose step plan routes through the fused forms (moe_route, not the router module, as
+    on CUDA; the ops' reference kernels here) still has its step's experts counted: the step is
+    planned again while the hooks exist, and the session's plan is put back."""
+    from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
+
+    target = _target()
+    session = _session(target, tiny_drafter(target, seed=1), 1, 3)
+    fused = plan_pass(target, tokens=4, rows=4, tree=True, target=Target("cpu", False, ALL))
+    assert {lp.route for lp in fused.layers if lp.experts} == {"moe_route"}
+    session.plan[3] = fused
+    chosen = _chosen_by_loop(monkeypatch, target)
+    assert routed_experts_of_step(session, 3) == [len(c) for c in chosen]
+    assert session.plan[3] is fused
