@@ -45,7 +45,6 @@ def _copy_gbs() -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     us = cuda_time_us(lambda: dst.copy_(src), calls_per_graph=5, replays=5)
-    del src, dst
     return 2 * n / (us * 1e-6) / 1e9
 
 
@@ -53,7 +52,6 @@ def _read_gbs() -> float:
     """Read-only rate: bytes / time of an fp32-accumulated sum over 2 GiB of bf16."""
     x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
     us = cuda_time_us(lambda: x.sum(dtype=torch.float32), calls_per_graph=5, replays=5)
-    del x
     return 2 * (1 << 30) / (us * 1e-6) / 1e9
 
 

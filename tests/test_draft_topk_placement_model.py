@@ -54,7 +54,6 @@ def placers(row: torch.Tensor, k: int, base_rule: str = "cluster"):
     V = row.numel()
     S, C = cluster_plan(V, W)
     okey = orderable(row)
-    top16 = okey if bf16 else okey >> 16
     key = (okey << ID_BITS) | ((1 << ID_BITS) - 1 - torch.arange(V))
     local = S == 1 or k * S <= THREADS
     m = k if local else -(-k // S)

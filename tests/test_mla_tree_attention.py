@@ -1,13 +1,12 @@
 """kdtree::mla_tree_attention: the reference against independent oracles, the CUDA kernel against the
 reference, and the op's behaviour under opcheck, torch.compile and CUDA graphs."""
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from .conftest import requires_cuda
-from torch_kdtree.ops import ddtree_build, mla_tree_attention, mla_tree_attention_reference
+from torch_kdtree.ops import ddtree_build, mla_tree_attention
 
 D, DV = 576, 512
 SCALE = 0.144680  # K2 with YaRN factor 64 (docs/kimi_k2.md)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_kdtree.ops import (ddtree_build, ddtree_build_reference, kv_commit, kv_commit_reference, tree_accept,
+from torch_kdtree.ops import (ddtree_build_reference, kv_commit, kv_commit_reference, tree_accept,
                               tree_accept_reference)
 
 from .conftest import HAS_CUDA, poison_cuda_allocator, requires_cuda

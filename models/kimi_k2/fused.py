@@ -9,7 +9,6 @@ plan; nothing here looks at devices, dtypes, hooks or the environment.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop

@@ -162,7 +162,7 @@ class KimiK2Experts(FixedDtype):
             raise ValueError(f"KimiK2Experts.set_int4: expected stacked [E, out, in/8] and [E, out, in/group] "
                              f"tensors, got {tuple(gate_packed.shape)} and {tuple(gate_scale.shape)}")
         group_size = 8 * gate_packed.shape[-1] // gate_scale.shape[-1]
-        E, I, H = gate_packed.shape[0], gate_packed.shape[1], 8 * gate_packed.shape[2]
+        I, H = gate_packed.shape[1], 8 * gate_packed.shape[2]
         if not int4_layout_fits(H, I, group_size):
             deq = [int4_dequantize(p, s, group_size) for p, s in
                    ((gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))]
