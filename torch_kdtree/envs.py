@@ -15,7 +15,8 @@ it for a child process (tests and tools that start Python with other settings).
 
 ``python -m torch_kdtree.envs`` prints the current values; ``--markdown`` prints the README's
 switch table (tests/test_envs.py keeps the two equal).  This module imports nothing but the
-standard library (setup.py loads it without torch's extension built).
+standard library (setup.py loads it without torch's extension built), so ``python
+torch_kdtree/envs.py --markdown`` works in a checkout that is not built.
 """
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ SWITCHES: tuple[Switch, ...] = (
            "The CUDA toolkit to build with (also read as CUDA_PATH); unset: the toolkit behind `nvcc` on PATH, "
            "a wrapper script followed.",
            _text, aliases=("CUDA_PATH",)),
-    Switch("MAX_JOBS", "int", None, "ninja's", "build",
-           "Parallel compile jobs (read by torch.utils.cpp_extension's ninja build).",
+    Switch("MAX_JOBS", "int", None, "unset", "build",
+           "Parallel compile jobs (read by torch.utils.cpp_extension's ninja build); unset: ninja's default.",
            _count),
 )
 
