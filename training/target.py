@@ -1,0 +1,200 @@
+"""Training the K2-architecture target: the model's own reference forward, chosen by a plan.
+
+The kdtree ops have no autograd (``moe_route``'s choice, ``int4_moe``, the decode kernels), so a
+training pass runs a :class:`~torch_kdtree.models.kimi_k2.plan.PassPlan` whose layers all take
+torch forms: the prefill's expanded attention, the router's logits as a linear, ``topk`` for the
+choice (the weights stay differentiable through the sigmoid scores), and dense routed experts
+looped over the experts in use (:func:`training_plan`, the one switch).  The routed experts train
+dense; QAT (quant.py) fake-quantises them at the end.  On CUDA the step runs under bf16 autocast
+over fp32 weights, which also makes the router's logits a bf16 GEMM in training (inference keeps
+fp32 logits); the routing bias stays fp32.
+
+Load balance is DeepSeek-V3's auxiliary-loss-free rule: after every optimizer step each MoE
+layer's ``e_score_correction_bias`` moves by ``speed`` toward balance, up for experts that
+received fewer tokens than the mean in that step, down for those that received more.  The bias
+only selects experts; the weights come from the unbiased scores.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from torch_kdtree.models.kimi_k2 import KimiK2Config, KimiK2ForCausalLM
+from torch_kdtree.models.kimi_k2.plan import PassPlan
+from torch_kdtree.models.kimi_k2.writer import k2_config_dict
+
+from .quant import expert_weights, fake_quantized
+from .recipe import lr_at
+
+
+def target_config(recipe, vocab_size: int) -> KimiK2Config:
+    """The recipe's target as a K2 config (the K2 config.json fields, scaled down)."""
+    return KimiK2Config.from_dict(k2_config_dict({**recipe.target, "vocab_size": vocab_size}, int4=False, small=False))
+
+
+def build_target(recipe, vocab_size: int, seed: int, device) -> KimiK2ForCausalLM:
+    """A freshly initialised fp32 target (transformers' init: normal(0, initializer_range), norms 1,
+    routing bias 0)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = KimiK2ForCausalLM(target_config(recipe, vocab_size)).float()
+    return model.to(device).train()
+
+
+def moe_blocks(model) -> list:
+    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
+def training_plan(model, R: int, T: int, experts: str = "looped") -> PassPlan:
+    """The plan of a differentiable prefill of R x T tokens: every layer's reference forward
+    (expanded attention, linear router logits, ``topk``) with the routed experts ``"looped"`` over
+    the experts in use (the default: one GEMM per expert, no weight copies) or ``"gathered"`` per
+    (token, slot), the experts' own forward (fixed shapes, but a weight copy per slot and a slow
+    scatter in the backward)."""
+    if experts not in ("gathered", "looped"):
+        raise ValueError(f"training_plan: experts must be 'gathered' or 'looped', got {experts!r}")
+    plan = model.model.plan_pass(R, T, tree=False).reference()
+    return replace(plan, layers=tuple(replace(lp, experts=experts) if lp.experts else lp for lp in plan.layers))
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer, counted from forward hooks on the norm that
+    feeds the router (the choice recomputed from the same input, bias and dtype context)."""
+
+    def __init__(self, model):
+        self.blocks = moe_blocks(model)
+        E = self.blocks[0].gate.weight.shape[0] if self.blocks else 0
+        device = model.model.embed_tokens.weight.device
+        self.step = torch.zeros(len(self.blocks), E, dtype=torch.int64, device=device)
+        self.total = torch.zeros_like(self.step)
+        self.handles = []
+        layers = [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._hook(i)))
+
+    def _hook(self, i: int) -> Callable:
+        gate = self.blocks[i].gate
+
+        def count(module, args, out):
+            with torch.no_grad():
+                ids, _ = gate.route(gate.logits(out.detach().reshape(-1, out.shape[-1])))
+                self.step[i] += torch.bincount(ids.reshape(-1).long(), minlength=self.step.shape[1])
+        return count
+
+    def take_step(self) -> torch.Tensor:
+        """This step's counts [layers, E] (and add them to the total)."""
+        counts = self.step.clone()
+        self.total += counts
+        self.step.zero_()
+        return counts
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @staticmethod
+    def balance(counts: torch.Tensor) -> dict:
+        """min / mean and max / mean load per layer, and the worst layer's min / mean."""
+        counts = counts.float()
+        mean = counts.mean(-1).clamp_min(1e-9)
+        low, high = (counts.min(-1).values / mean), (counts.max(-1).values / mean)
+        return {"min_over_mean": [round(float(x), 4) for x in low], "max_over_mean": [round(float(x), 4) for x in high],
+                "worst_min_over_mean": float(low.min()) if low.numel() else float("nan")}
+
+
+@torch.no_grad()
+def update_routing_bias(model, counts: torch.Tensor, speed: float) -> None:
+    """DeepSeek-V3's aux-free balancing: bias += speed * sign(mean load - load), per MoE layer."""
+    for block, c in zip(moe_blocks(model), counts.float()):
+        block.gate.e_score_correction_bias.add_(speed * torch.sign(c.mean() - c))
+
+
+def optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, norms do not (the routing bias is a buffer, moved only by the balance rule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    fused = params[0].is_cuda
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def autocast(device) -> object:
+    """bf16 autocast on CUDA (fp32 master weights and optimizer state); fp32 on the CPU."""
+    device = torch.device(device)
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def next_token_loss(model, inputs, targets, plan) -> torch.Tensor:
+    logits = model(inputs, plan=plan).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+
+
+def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps: int, weight_decay: float,
+          bias_update_speed: float, experts: str = "looped", qat: bool = False, log=print, log_every: int = 50,
+          label: str = "target") -> dict:
+    """Train ``model`` on ``batches`` (an iterator of (inputs, targets) [R, T]) for ``steps`` or
+    ``minutes``, whichever ends first (the learning rate follows the further of the two); with
+    ``qat`` the routed experts are fake-quantised to INT4 in every forward and backward.
+    Returns the loss history, the step count, tokens seen, the time and the expert load."""
+    device = model.model.embed_tokens.weight.device
+    opt = optimizer(model, lr, weight_decay)
+    load = ExpertLoad(model)
+    quantised = expert_weights(model) if qat else []
+    plan, shape = None, None
+    history, tokens, start = [], 0, time.perf_counter()
+    window = torch.zeros_like(load.total)  # counts since the last progress line
+    warmup = warmup_steps / max(steps, 1)
+    step = 0
+    try:
+        while True:
+            elapsed = time.perf_counter() - start
+            progress = max(step / steps, elapsed / (60 * minutes))
+            if progress >= 1:
+                break
+            inputs, targets = next(batches)
+            if shape != tuple(inputs.shape):
+                shape = tuple(inputs.shape)
+                plan = training_plan(model, *shape, experts=experts)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(progress, lr, warmup)
+            with fake_quantized(quantised) if qat else nullcontext():
+                with autocast(device):
+                    loss = next_token_loss(model, inputs, targets, plan)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            counts = load.take_step()
+            window += counts
+            update_routing_bias(model, counts, bias_update_speed)
+            step += 1
+            tokens += inputs.numel()
+            value = loss.detach().item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{label}: loss is {value} at step {step}")
+            history.append(value)
+            if step % log_every == 0 or step == 1:
+                elapsed = time.perf_counter() - start
+                recent = history[-log_every:]
+                balance = ExpertLoad.balance(window)["worst_min_over_mean"]
+                window.zero_()
+                log(f"  {label} step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                    f"load min/mean {balance:.2f}  {tokens / elapsed:,.0f} tok/s  {elapsed:6.1f} s")
+    finally:
+        load.remove()
+    elapsed = time.perf_counter() - start
+    return {"steps": step, "tokens": tokens, "seconds": round(elapsed, 2), "loss_first": history[0] if history else None,
+            "loss_last": sum(history[-10:]) / max(1, len(history[-10:])), "losses": history,
+            "tokens_per_second": tokens / max(elapsed, 1e-9), "train_load": ExpertLoad.balance(load.total),
+            "experts": plan.layers[-1].experts if plan is not None else None}
+
+
+__all__ = ["target_config", "build_target", "training_plan", "ExpertLoad", "update_routing_bias", "train",
+           "next_token_loss", "autocast", "moe_blocks"]
