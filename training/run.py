@@ -1,0 +1,258 @@
+"""The one command that trains the default pair: a small Kimi-K2-architecture target and its DFlash
+drafter, on the Python standard library, written in the formats real checkpoints use.
+
+    python -m training.run --out models/default_pair --device cuda      # the full recipe, one H200
+    python -m training.run --toy --out build/toy_pair                    # the toy recipe, CPU, < 1 min
+
+Phases (each prints its progress): corpus and held-out split (manifest.json) -> byte-level BPE
+tokenizer -> target pre-training (dense experts, aux-free balancing) -> QAT of the routed experts
+(fake INT4, straight-through) -> INT4 export, reloaded through ``from_pretrained`` -> the INT4
+target's continuations of training prompts and their taps -> drafter training (random anchors,
+depth-decayed loss) -> DFlash export, reloaded -> held-out numbers (bits per byte of the bf16 and
+INT4 targets, expert load, drafter agreement, greedy DDTree against autoregressive decoding) ->
+metrics.json and the model card (README.md).  ``--out`` receives ``target/``, ``drafter/``,
+``README.md``, ``metrics.json`` and ``manifest.json`` only once everything has succeeded.
+
+Time on one H200, FULL recipe — an estimate, not a measurement (no GPU run has happened yet;
+replace these lines with the first run's measured phase times, which metrics.json records):
+
+- corpus and tokenizer: ~29 MB read (< 1 s); BPE to 4096 tokens took 7.7 s and encoding the
+  ~8.2 M training tokens 29 s on a 2-core CPU here, a few seconds each on 16 cores: ~0.3 min.
+- target: 18.7 M parameters (12.6 M in routed experts), 6.7 M multiplied per token, so
+  ~40 MFLOP/token for forward + backward plus ~16 MFLOP/token of attention over 512 positions:
+  ~1.8 TFLOP per 32,768-token step.  Matrices this narrow (hidden 256) and the looped experts
+  (32 experts x 4 MoE layers, forward and backward: ~3,000 launches and 128 host syncs a step) are
+  bound by launches, not FLOPs: assumed 60-100 ms a step, i.e. 330-550 K tokens/s, so the 2,500
+  planned steps (82 M tokens, ~10 passes over the training split) take ~2.5-4.2 min; the
+  schedule stops at 4.5 min whatever the speed.
+- QAT: 300 such steps, ~0.3-0.5 min (cap 0.75 min).
+- continuations: 2,048 prompts x 192 new tokens in generate's CUDA graphs, 256 requests a call,
+  no inductor compile: ~0.3 min with the taps' prefill.
+- drafter: 1,500 steps of 64 sequences x 32 blocks of 8 over a 256-token context, assumed
+  ~40 ms a step: ~1 min (cap 1.5 min).
+- held-out evaluation (~0.3 M tokens through three models, 64 continuations, the 8 x 256-token
+  DDTree check): ~0.5 min.
+Total ~6-8 min, within the 10-minute budget with the caps as the backstop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import corpus
+from .recipe import RECIPES, checkpoint_bytes, describe
+
+OUTPUTS = ("target", "drafter", "README.md", "metrics.json", "manifest.json")
+
+
+class _Clock:
+    def __init__(self, log):
+        self.log, self.start, self.phases, self._last = log, time.perf_counter(), {}, None
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.phases[self._last[0]] = round(now - self._last[1], 2)
+        self._last = (name, now)
+        if name:
+            self.log(f"[{now - self.start:7.1f} s] {name}")
+
+    def done(self) -> dict:
+        self.phase("")
+        return {**self.phases, "total": round(time.perf_counter() - self.start, 2)}
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "looped",
+        log=_print) -> dict:
+    """Run the whole pipeline with ``recipe`` on ``device``; write the pair to ``out``; return the metrics."""
+    from torch_kdtree.models.dflash import DFlashDraftModel
+    from torch_kdtree.models.kimi_k2 import KimiK2ForCausalLM
+
+    from . import tokenizer as tk
+    from .card import write_card
+    from .data import WindowSampler, encode_files, prompt_windows
+    from .drafter import agreement, build_drafter, continuations, target_taps, train_drafter
+    from .evaluate import bf16_copy, bits_per_byte, ddtree_check
+    from .export import directory_bytes, write_drafter, write_target
+    from .target import build_target, train
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(out)
+    work = out.parent / f".{out.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    clock = _Clock(log)
+    log(describe(recipe))
+
+    clock.phase("corpus")
+    files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
+    train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
+    manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction)
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
+        f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
+        f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
+
+    clock.phase("tokenizer")
+    raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
+    tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
+    special = tk.special_ids(tokenizer)
+    byte_lengths = tk.token_byte_lengths(tokenizer)
+    train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
+    heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
+    scored_stream = heldout_stream[: recipe.eval_tokens + 1] if recipe.eval_tokens else heldout_stream
+    log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
+        f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
+
+    clock.phase("target pre-training")
+    model = build_target(recipe, len(tokenizer), seed, device)
+    batches = WindowSampler(train_stream, recipe.seq_len, recipe.batch_size, seed, device)
+    pretrain = train(model, batches, steps=recipe.steps, minutes=recipe.minutes, lr=recipe.lr,
+                     warmup_steps=recipe.warmup_steps, weight_decay=recipe.weight_decay,
+                     bias_update_speed=recipe.bias_update_speed, experts=experts, log=log,
+                     log_every=recipe.log_every, label="target")
+    held = {"bf16": bits_per_byte(bf16_copy(model), scored_stream, byte_lengths, recipe.seq_len, recipe.eval_batch)}
+    log(f"  held-out bf16: {held['bf16']['bits_per_byte']:.4f} bits/byte")
+
+    clock.phase("QAT (routed experts fake-quantised to INT4)")
+    qat = train(model, batches, steps=recipe.qat_steps, minutes=recipe.qat_minutes, lr=recipe.qat_lr, warmup_steps=0,
+                weight_decay=recipe.weight_decay, bias_update_speed=recipe.bias_update_speed, experts=experts,
+                qat=True, log=log, log_every=recipe.log_every, label="qat")
+
+    clock.phase("INT4 export and reload")
+    write_target(model, recipe, tokenizer, work / "target")
+    del model, batches
+    target = KimiK2ForCausalLM.from_pretrained(work / "target", dtype=dtype, device=device, progress=False)
+    target.requires_grad_(False)
+    held["int4"] = bits_per_byte(target, scored_stream, byte_lengths, recipe.seq_len, recipe.eval_batch)
+    ratio = held["int4"]["perplexity"] / held["bf16"]["perplexity"] - 1
+    log(f"  held-out INT4: {held['int4']['bits_per_byte']:.4f} bits/byte (perplexity {100 * ratio:+.2f} % against "
+        f"bf16), expert load min/mean {held['int4']['load']['worst_min_over_mean']:.3f}")
+
+    clock.phase("continuations for the drafter")
+    prompts = prompt_windows(train_stream, recipe.prompt_len, recipe.continuations, seed)
+    seqs = continuations(target, prompts, recipe.continuation_len, batch=recipe.generate_batch,
+                         greedy_fraction=recipe.greedy_fraction, seed=seed, log=log)
+    drafter = build_drafter(recipe, len(tokenizer), special["mask"], seed, device)
+    taps = target_taps(target, seqs, drafter.target_layer_ids, recipe.eval_batch)
+
+    clock.phase("drafter training")
+    drafter_log = train_drafter(drafter, target, taps, seqs, recipe, seed=seed, log=log)
+    write_drafter(drafter, work / "drafter")
+    del drafter, taps
+
+    clock.phase("held-out drafter agreement and DDTree check")
+    loaded = DFlashDraftModel.from_pretrained(work / "drafter", dtype=dtype, device=device)
+    heldout_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.eval_continuations, seed + 1)
+    heldout_seqs = continuations(target, heldout_prompts, recipe.continuation_len, batch=recipe.generate_batch,
+                                 greedy_fraction=1.0, seed=seed + 1, log=log)
+    heldout_taps = target_taps(target, heldout_seqs, loaded.target_layer_ids, recipe.eval_batch)
+    agree = agreement(loaded, target, heldout_taps, heldout_seqs, recipe.prompt_len, recipe.eval_batch)
+    log(f"  depth-1 agreement {agree['depth1_agreement']:.3f}, teacher-forced chain acceptance "
+        f"{agree['chain_acceptance_teacher_forced']:.2f}")
+    check_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.check_prompts, seed + 2)
+    check = ddtree_check(target, loaded, check_prompts, recipe.check_new_tokens, recipe.check_budget)
+    log(f"  greedy DDTree (B = {check['budget']}) == AR: {check['equal']}, mean acceptance "
+        f"{check['mean_accept_length']:.2f}, wall-clock speed-up {check['speedup_wall']:.2f}x")
+
+    phases = clock.done()
+    metrics = {
+        "recipe": recipe.name, "device": str(device), "device_name": _device_name(device), "dtype": str(dtype),
+        "torch": torch.__version__, "python": sys.version.split()[0], "seed": seed,
+        "tokenizer": {"vocab_size": len(tokenizer), "special_ids": special,
+                      "train_tokens": int(train_stream.numel()), "heldout_tokens": int(heldout_stream.numel())},
+        "pretrain": _summary(pretrain), "qat": _summary(qat), "drafter_training": _summary(drafter_log),
+        "heldout": {**held, "int4_perplexity_change": ratio}, "drafter": agree, "ddtree_check": check,
+        "checkpoint_bytes": {"target": directory_bytes(work / "target"), "drafter": directory_bytes(work / "drafter"),
+                             "estimated_tensors": checkpoint_bytes(recipe)},
+        "phase_seconds": phases,
+    }
+    (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    write_card(work / "README.md", recipe, metrics, manifest)
+    _publish(work, out)
+    log(f"[{phases['total']:7.1f} s] wrote {out}/ ({', '.join(OUTPUTS)})")
+    return metrics
+
+
+def _summary(log: dict) -> dict:
+    losses = log.get("losses", [])
+    keep = {k: v for k, v in log.items() if k != "losses"}
+    stride = max(1, len(losses) // 50)
+    return {**keep, "loss_curve": [round(x, 4) for x in losses[::stride]]}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _publish(work: Path, out: Path) -> None:
+    """Move the finished outputs into ``out``, replacing only the entries this pipeline writes."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        dest = out / name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        elif dest.exists():
+            dest.unlink()
+        shutil.move(str(work / name), str(dest))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m training.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="output directory (default: models/default_pair, or build/toy_pair "
+                                                "with --toy, so a toy run never replaces the shipped pair)")
+    ap.add_argument("--device", default="auto", help="cuda, cpu, cuda:N or auto (cuda when available)")
+    ap.add_argument("--toy", action="store_true", help="the toy recipe: a corpus subset, tiny models, a few steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", choices=("looped", "gathered"), default="looped",
+                    help="training form of the routed experts (target.training_plan)")
+    ap.add_argument("--steps", type=int, default=None, help="override the recipe's target pre-training steps")
+    ap.add_argument("--minutes", type=float, default=None, help="override the recipe's pre-training time cap")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: 1 with --toy, whose matrices are too small for more; else torch's)")
+    args = ap.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        ap.error("--threads must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.minutes is not None and args.minutes <= 0:
+        ap.error("--minutes must be > 0")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available (use --device cpu)")
+    if args.threads is not None or args.toy:
+        torch.set_num_threads(args.threads or 1)
+    recipe = RECIPES["toy" if args.toy else "full"]
+    if args.steps is not None:
+        recipe = recipe.replace(steps=args.steps)
+    if args.minutes is not None:
+        recipe = recipe.replace(minutes=args.minutes)
+    out = args.out or ("build/toy_pair" if args.toy else "models/default_pair")
+    return run(recipe, out, device, seed=args.seed, experts=args.experts)
+
+
+if __name__ == "__main__":
+    main()
