@@ -1,0 +1,46 @@
+"""The default target / drafter pair that ``python -m training.run`` trains (issue 48).
+
+``models/default_pair/`` holds ``target/`` (a small Kimi K2-architecture checkpoint with INT4
+routed experts and its tokenizer), ``drafter/`` (its DFlash drafter) and the model card; both
+load through the same ``from_pretrained`` as real K2.x and DFlash checkpoints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
+CREATE_COMMAND = "python -m training.run --out models/default_pair --device cuda"
+
+
+def load_default_pair(device=None, dtype: torch.dtype | None = None, *, path: str | Path | None = None):
+    """(target, drafter, tokenizer) of the trained default pair.
+
+    ``device``: where both models go (default: the CPU).  ``dtype``: their dtype (default: fp32 on
+    the CPU, where DDTree equals autoregressive decoding token for token, and bf16, the stored
+    dtype, elsewhere).  ``path``: another directory written by ``python -m training.run``.
+    Raises ``FileNotFoundError`` naming the command that creates the pair when it is missing.
+    """
+    from transformers import AutoTokenizer
+
+    from .dflash import DFlashDraftModel
+    from .kimi_k2 import KimiK2ForCausalLM
+
+    root = Path(path) if path is not None else DEFAULT_PAIR_DIR
+    missing = [str(root / part / "config.json") for part in ("target", "drafter")
+               if not (root / part / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"no trained default pair at {root} (missing {', '.join(missing)}); "
+                                f"create it with: {CREATE_COMMAND}  (python -m training.run --toy --out DIR makes a "
+                                f"toy pair in seconds on a CPU: load_default_pair(path=DIR))")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    target = KimiK2ForCausalLM.from_pretrained(root / "target", dtype=dtype, device=device, progress=False)
+    drafter = DFlashDraftModel.from_pretrained(root / "drafter", dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    return target, drafter, tokenizer
+
+
+__all__ = ["load_default_pair", "DEFAULT_PAIR_DIR", "CREATE_COMMAND"]

@@ -1,0 +1,196 @@
+"""The training pipeline (training/, issue 48) at toy scale on the CPU, and the pieces it relies on.
+
+The end-to-end test runs ``training.run`` with the TOY recipe (a standard-library subset, a
+512-token BPE, a 2-layer K2-architecture target, a 1-layer DFlash drafter, a few dozen steps):
+the losses fall, the written directories load through the real loaders (KimiK2ForCausalLM and
+DFlashDraftModel ``from_pretrained``, ``AutoTokenizer``, ``load_default_pair``), and greedy DDTree
+equals greedy autoregressive decoding on the loaded pair in fp32.  The unit tests pin the pieces
+the numbers depend on: the many-block drafter forward equals the drafter's own draft call, the
+fake quantiser equals what the exported checkpoint dequantises to, the held-out split is fixed
+by path, bits per byte count every byte once, and the FULL recipe fits the 25 MB the issue allows.
+"""
+import json
+import time
+
+import pytest
+import torch
+
+from training import corpus, recipe as recipes
+from training.drafter import block_logits, build_drafter, sample_anchors
+from training.quant import compressed_tensors, fake_quantize, quantize_int4
+from training.run import run as run_pipeline
+from training.target import build_target, target_config, training_plan
+
+from torch_kdtree.models import DFlashDraftModel, KimiK2ForCausalLM, load_default_pair
+from torch_kdtree.ops import int4_dequantize
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """One CPU thread: the toy matrices are small and the machine may be shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pair") / "toy_pair"
+    lines = []
+    start = time.perf_counter()
+    metrics = run_pipeline(recipes.TOY, out, "cpu", log=lines.append)
+    return out, metrics, time.perf_counter() - start, lines
+
+
+def test_toy_pipeline_runs_under_a_minute_and_losses_fall(toy_run):
+    out, metrics, seconds, lines = toy_run
+    assert seconds < 60, f"toy pipeline took {seconds:.1f} s:\n" + "\n".join(lines)
+    for phase in ("pretrain", "drafter_training"):
+        curve = metrics[phase]["loss_curve"]
+        assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.3, (phase, curve)
+    assert metrics["pretrain"]["steps"] == recipes.TOY.steps
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "drafter", "manifest.json", "metrics.json",
+                                                             "target"])
+    assert not any(p.name.endswith(".partial") for p in out.parent.iterdir())
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["heldout"]["int4"]["bits_per_byte"] == pytest.approx(metrics["heldout"]["int4"]["bits_per_byte"])
+    card = (out / "README.md").read_text()
+    assert "Toy run" in card and "bits per byte" in card and "Limits" in card
+
+
+def test_toy_pair_loads_through_the_real_loaders(toy_run):
+    from transformers import AutoTokenizer
+
+    out, metrics, _, _ = toy_run
+    config = json.loads((out / "target" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and config["quantization_config"]["format"] == "pack-quantized"
+    assert config["kv_lora_rank"] == 512 and config["qk_rope_head_dim"] == 64 and config["num_attention_heads"] >= 8
+    assert config["rope_scaling"]["type"] == "yarn" and config["topk_method"] == "noaux_tc"
+    target = KimiK2ForCausalLM.from_pretrained(out / "target", dtype=torch.float32, progress=False)
+    moe = target.model.layers[1].mlp
+    assert moe.experts.is_int4 and moe.shared_experts is not None
+    assert moe.gate.e_score_correction_bias.abs().sum() > 0  # the aux-free update moved it
+    drafter = DFlashDraftModel.from_pretrained(out / "drafter", dtype=torch.float32)
+    assert drafter.block_size == 8 and drafter.config.num_hidden_layers in (1, 2)
+    assert json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
+    tokenizer = AutoTokenizer.from_pretrained(out / "target")
+    text = "def f(x):\n    return x + 1\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert drafter.mask_token_id == tokenizer.mask_token_id == metrics["tokenizer"]["special_ids"]["mask"]
+    t2, d2, tok2 = load_default_pair(path=out)
+    assert t2.dtype == torch.float32 and d2.dtype == torch.float32 and len(tok2) == len(tokenizer)
+
+
+def test_greedy_ddtree_equals_autoregressive_on_the_trained_toy_pair(toy_run):
+    out, metrics, _, _ = toy_run
+    assert metrics["ddtree_check"]["equal"]
+    target, drafter, tokenizer = load_default_pair(path=out)
+    ids = tokenizer(["import os\n\ndef ", "class Parser:\n    "], return_tensors="pt", padding=True,
+                    padding_side="left")
+    ar = target.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=24)
+    for budget in (4, 16):
+        tree = target.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=24, drafter=drafter,
+                               tree_budget=budget)
+        assert torch.equal(tree, ar), budget
+
+
+def test_load_default_pair_names_the_command_when_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m training.run --out models/default_pair"):
+        load_default_pair(path=tmp_path / "nowhere")
+
+
+def test_block_forward_equals_the_drafters_own_draft_call():
+    vocab = 96
+    target = build_target(recipes.TOY, vocab, seed=1, device="cpu").eval()
+    drafter = build_drafter(recipes.TOY, vocab, mask_token_id=3, seed=2, device="cpu")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (2, 24), generator=g)
+    with torch.no_grad():
+        taps = target(ids, tap_layers=drafter.target_layer_ids, return_logits=False).taps
+        anchors = torch.cat([torch.tensor([[0], [23]]), sample_anchors(2, 3, 1, 22, g)], dim=1)
+        many = block_logits(drafter, target.model.embed_tokens, target.lm_head, taps, ids, anchors)
+    drafter.bind_target(target.model.embed_tokens, target.lm_head)
+    for r in range(2):
+        for n, p in enumerate(anchors[r].tolist()):
+            drafter.setup_cache(1, 32)
+            with torch.no_grad():
+                if p:
+                    drafter.append_context(taps[r: r + 1, :p])
+                one = drafter(ids[r: r + 1, p])[0]
+            torch.testing.assert_close(many[r, n], one, rtol=1e-4, atol=1e-5)
+
+
+def test_fake_quantised_weights_are_what_the_checkpoint_dequantises_to():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g) * torch.linspace(0.01, 3, 96)
+    w[3, :32] = 0  # an all-zero group
+    q, scale = quantize_int4(w)
+    assert q.min() >= -8 and q.max() <= 7 and scale.dtype == torch.bfloat16
+    stored = compressed_tensors(w)
+    assert stored["weight_shape"].tolist() == [48, 96]
+    assert torch.equal(int4_dequantize(stored["weight_packed"], stored["weight_scale"], 32), fake_quantize(w))
+    assert (fake_quantize(w) - w).abs().max() <= scale.float().max() / 2 + 1e-6
+
+
+def test_training_plan_runs_every_layer_in_torch_and_trains_the_router():
+    model = build_target(recipes.TOY, 64, seed=0, device="cpu")
+    plan = training_plan(model, 2, 16)
+    moe = [lp for lp in plan.layers if lp.experts]
+    assert plan.layers[0].attention == "expanded" and not plan.layers[0].experts
+    assert moe and all((lp.router, lp.route, lp.experts) == ("linear", "topk", "looped") for lp in moe)
+    ids = torch.randint(0, 64, (2, 17))
+    loss = torch.nn.functional.cross_entropy(model(ids[:, :-1], plan=plan).logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_heldout_split_is_a_fixed_function_of_the_path():
+    files = [corpus.SourceFile(f"pkg/mod{i}.py", f"x = {i}\n") for i in range(400)]
+    train, held = corpus.split(files, 0.1)
+    assert {f.path for f in train}.isdisjoint(f.path for f in held) and len(train) + len(held) == 400
+    assert 20 <= len(held) <= 60
+    assert sorted(f.path for f in corpus.split(list(reversed(files)), 0.1)[1]) == sorted(f.path for f in held)
+    assert corpus.is_heldout("test/test_typing.py", 0.03) == corpus.is_heldout("test/test_typing.py", 0.03)
+    m = corpus.manifest(train, held, 0.1)
+    assert m["checksum"] == corpus.checksum(files) and m["heldout_files"] == len(held)
+
+
+def test_stdlib_corpus_leaves_out_generated_tables():
+    paths = {f.path for f in corpus.stdlib_files(limit_bytes=None)}
+    assert "os.py" in paths and any(p.startswith("test/") for p in paths)
+    assert not any(p.startswith(("encodings/", "pydoc_data/")) or "site-packages" in p for p in paths)
+    assert "token.py" not in paths and "html/entities.py" not in paths
+
+
+def test_token_bytes_cover_the_text_exactly():
+    from training import tokenizer as tk
+
+    files = corpus.stdlib_files(limit_bytes=60_000)
+    raw = tk.train_tokenizer((f.text for f in files), 300)
+    tok = tk.as_transformers(raw, 4096)
+    lengths = tk.token_byte_lengths(tok)
+    assert [lengths[tok.convert_tokens_to_ids(s)] for s in tk.SPECIALS.values()] == [0, 0, 0, 0]
+    text = files[0].text + "é ü → 𝔘\n"
+    ids = raw.encode(text, add_special_tokens=False).ids
+    pieces = tk.token_bytes(tok)
+    assert b"".join(pieces[i] for i in ids) == text.encode("utf-8")
+
+
+def test_full_recipe_is_k2_shaped_and_fits_25_mb():
+    full = recipes.FULL
+    t = full.target
+    assert t["kv_lora_rank"] == 512 and t["qk_rope_head_dim"] == 64 and t["num_attention_heads"] >= 8
+    assert t["first_k_dense_replace"] == 1 and t["n_shared_experts"] == 1 and t["rope_scaling"]["type"] == "yarn"
+    assert t["hidden_size"] % 128 == 0 and t["moe_intermediate_size"] % 64 == 0  # int4_moe's tiles
+    assert 1 <= full.drafter["num_hidden_layers"] <= 2 and full.drafter["block_size"] == 8
+    assert all(0 <= i < t["num_hidden_layers"] for i in full.drafter["target_layer_ids"])
+    assert recipes.checkpoint_bytes(full)["total"] < 25e6 - 1e6  # room for the tokenizer and headers
+    with torch.device("meta"):
+        model = KimiK2ForCausalLM(target_config(full, full.vocab_size))
+    counts = recipes.parameter_counts(full)
+    assert sum(p.numel() for p in model.parameters()) == counts["routed_experts"] + counts["target_other"]
