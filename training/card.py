@@ -128,8 +128,8 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         "",
         f"Held-out text: {h['int4']['tokens']:,} tokens, {h['int4']['bytes']:,} bytes.  Expert load min/mean per MoE "
         f"layer (INT4): {h['int4']['load']['min_over_mean']}.  The drafter's agreement is measured on "
-        f"{recipe.eval_continuations} held-out prompts continued greedily by the INT4 target, at every anchor from "
-        f"the last prompt token on ({d['anchors']:,} anchors).",
+        f"{recipe.eval_continuations} held-out prompts continued greedily by the INT4 target, at every generated "
+        f"token as the root ({d['anchors']:,} anchors).",
         "",
         "## Limits",
         "",

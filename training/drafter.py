@@ -151,7 +151,7 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 
 def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recipe, *, seed: int, log=print) -> dict:
     """Train ``drafter`` on sequences ``seqs`` [M, S] with the target's taps [M, S, n*H]; anchors
-    from the last prompt token on (the first root a generation has) to S - 2."""
+    from the first generated token on (the first root a generation has) to S - 2."""
     device = drafter.device
     embed, head = target.model.embed_tokens, target.lm_head
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -159,7 +159,7 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=recipe.drafter_lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     g = torch.Generator().manual_seed(seed)
-    lo, hi = recipe.prompt_len - 1, seqs.shape[1] - 2
+    lo, hi = recipe.prompt_len, seqs.shape[1] - 2
     history, step, start = [], 0, time.perf_counter()
     warmup = min(0.1, 50 / max(recipe.drafter_steps, 1))
     while True:
@@ -197,7 +197,7 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
 @torch.no_grad()
 def agreement(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, prompt_len: int, batch: int) -> dict:
     """On held-out greedy continuations: how often the drafter's argmax at depth k equals the
-    target's greedy token x_{p + k}, over every anchor p from the last prompt token on, and the
+    target's greedy token x_{p + k}, over every root p a generation has (the generated tokens), and the
     teacher-forced chain acceptance (1 + leading depths right, anchors with a full block only),
     which is a greedy chain's mean acceptance length when arithmetic is exact."""
     embed, head = target.model.embed_tokens, target.lm_head
@@ -209,7 +209,7 @@ def agreement(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, prompt_le
     for lo in range(0, seqs.shape[0], batch):
         ids = seqs[lo: lo + batch].to(drafter.device)
         R = ids.shape[0]
-        anchors = torch.arange(prompt_len - 1, S - 1, device=ids.device).expand(R, -1)
+        anchors = torch.arange(prompt_len, S - 1, device=ids.device).expand(R, -1)
         with autocast(drafter.device):
             logits = block_logits(drafter, embed, head, taps[lo: lo + batch].to(drafter.device), ids, anchors)
         labels, valid = block_labels(ids, anchors, L)
