@@ -71,7 +71,7 @@ def split_text(s: dict) -> str:
     if s["from_acceptance_pct"] is None:
         return f"{head}: unchanged ({detail})"
     shaky = "; a change this small makes the shares unstable" if abs(s["dlog_tokens_per_s"]) < SMALL_DLOG else ""
-    return (f"{head}: {s['from_acceptance_pct']:.0f} % from acceptance, {s['from_step_time_pct']:.0f} % from "
+    return (f"{head}: {round(s['from_acceptance_pct'])} % from acceptance, {round(s['from_step_time_pct'])} % from "
             f"step time ({detail}{shaky})")
 
 

@@ -36,8 +36,8 @@ def throughput(result: dict, path: str) -> None:
     if burst:
         xs = [r["context"] for r in burst]
         ys = [r["burst_tokens_per_s"] for r in burst]
-        lo = [y - (r["burst_tokens_per_s_min"] or y) for y, r in zip(ys, burst)]
-        hi = [(r["burst_tokens_per_s_max"] or y) - y for y, r in zip(ys, burst)]
+        lo = [max(0.0, y - (r["burst_tokens_per_s_min"] or y)) for y, r in zip(ys, burst)]
+        hi = [max(0.0, (r["burst_tokens_per_s_max"] or y) - y) for y, r in zip(ys, burst)]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3,
                     label=f"burst ({result['meta']['settings']['burst_short']} vs "
                           f"{result['meta']['settings']['burst_long']} new tokens; min-max of repeats)")
@@ -99,7 +99,7 @@ def acceptance_over_response(result: dict, path: str) -> None:
     title = "Over the response, per window"
     if split is not None and split["from_acceptance_pct"] is not None:
         title += (f": tokens/s {split['change_pct']:+.1f} % first to last window,\n"
-                  f"{split['from_acceptance_pct']:.0f} % from acceptance, {split['from_step_time_pct']:.0f} % from "
+                  f"{round(split['from_acceptance_pct'])} % from acceptance, {round(split['from_step_time_pct'])} % from "
                   "step time")
     axes[0].set_title(title)
     axes[-1].set_xlabel("position in the response (tokens)")

@@ -47,21 +47,27 @@ SPLIT_COLUMNS = ("change_pct", "from_acceptance_pct", "from_step_time_pct")
 
 
 def _burst_row(context: int, pairs: list[dict], span: int) -> dict:
-    repeats, sums = [], [0.0, 0.0, 0.0]
+    """The burst at one context, pooled over the repeats whose long run took longer (and more
+    steps) than the short one; a repeat where noise reversed them is kept in ``burst_repeats``
+    with null rates and left out of the pooled rate."""
+    repeats = []
     for p in pairs:
         seconds = p["long"]["seconds"] - p["short"]["seconds"]
         steps = p["long"]["steps"] - p["short"]["steps"]
         wall = p["long"]["wall_seconds"] - p["short"]["wall_seconds"]
+        valid = seconds > 0 and steps > 0
         repeats.append({"seconds": seconds, "steps": steps, "wall_seconds": wall,
-                        "tokens_per_s": span / seconds if seconds > 0 else None,
+                        "tokens_per_s": span / seconds if valid else None,
                         "wall_tokens_per_s": span / wall if wall > 0 else None})
-        sums = [sums[0] + seconds, sums[1] + steps, sums[2] + wall]
-    seconds, steps, wall = sums
-    rate = Rate.of(span * len(pairs), steps, seconds) if seconds > 0 and steps > 0 else None
-    each = [r["tokens_per_s"] for r in repeats if r["tokens_per_s"] is not None]
+    valid = [r for r in repeats if r["tokens_per_s"] is not None]
+    seconds, steps = sum(r["seconds"] for r in valid), sum(r["steps"] for r in valid)
+    rate = Rate.of(span * len(valid), steps, seconds) if valid else None
+    walls = [r for r in repeats if r["wall_tokens_per_s"] is not None]
+    wall = sum(r["wall_seconds"] for r in walls)
+    each = [r["tokens_per_s"] for r in valid]
     return {"context": context, "burst_tokens_per_s": rate.tokens_per_s if rate else None,
             "burst_tokens_per_s_min": min(each) if each else None, "burst_tokens_per_s_max": max(each) if each else None,
-            "burst_wall_tokens_per_s": span * len(pairs) / wall if wall > 0 else None,
+            "burst_wall_tokens_per_s": span * len(walls) / wall if walls else None,
             "burst_accept": rate.accept if rate else None, "burst_step_ms": rate.step_seconds * 1e3 if rate else None,
             "burst_repeats": repeats, "_rate": rate}
 
@@ -146,6 +152,12 @@ def build(meta: dict, settings, bursts: dict, timings: dict, sustained: dict, *,
     fits = {"ar": step_fit([r["context"] for r in rows], [r["ar_step_ms"] for r in rows]),
             "tree": step_fit([r["context"] for r in rows], [r["tree_step_ms"] for r in rows]),
             "tree_sustained": step_fit([w["context_mean"] for w in live], [w["step_ms"] for w in live])}
+    unmeasured = [r["context"] for r in rows if r["_rate"] is None or any(
+        x["tokens_per_s"] is None for x in r["burst_repeats"])]
+    if unmeasured:
+        meta = {**meta, "notes": meta["notes"] + [
+            f"Burst at contexts {unmeasured}: a long run took no longer than its short one in some repeats, so the "
+            "two-point difference is noise there (left out, or null); raise --burst-long or --repeats."]}
     for r in rows + windows:
         r.pop("_rate")
     return {
@@ -236,8 +248,8 @@ def summary(result: dict) -> str:
     for w in windows[::stride] + ([windows[-1]] if (len(windows) - 1) % stride else []):
         sp = w["from_first"]
         text = "" if sp is None or sp["from_acceptance_pct"] is None else \
-            f"{sp['change_pct']:+.1f} %: {sp['from_acceptance_pct']:.0f} % from acceptance, " \
-            f"{sp['from_step_time_pct']:.0f} % from step time" + \
+            f"{sp['change_pct']:+.1f} %: {round(sp['from_acceptance_pct'])} % from acceptance, " \
+            f"{round(sp['from_step_time_pct'])} % from step time" + \
             (" (small change: shares unstable)" if abs(sp["dlog_tokens_per_s"]) < SMALL_DLOG else "")
         lines.append(f"  {w['index']:>6d} {w['position_start']:>6d}-{w['position_end']:<6d} "
                      f"{w['context_mean']:>8.0f} {_f(w['accept'], '.3f'):>7s} {_f(w['step_ms']):>9s} "
