@@ -26,7 +26,6 @@ OWNERS = {"torch_kdtree/envs.py", "tests/test_envs.py"}
 PENDING = {
     "tests/test_import.py": "copies os.environ for its child process: envs.child_environment(PYTHONPATH=None)",
     "tests/test_plan.py": "copies os.environ for its child process: envs.child_environment(PYTHONPATH=...)",
-    "tests/tp_worker.py": "sets MASTER_ADDR / MASTER_PORT: init_process_group(init_method='tcp://127.0.0.1:PORT')",
     "tests/test_generate.py": "a skip message names KDTREE_INDUCTOR_PDL (now KDTREE_PDL)",
     "bench/bench_generate.py": "BENCH_* parameters from os.environ: command-line arguments",
     "bench/bench_int4_moe.py": "sets the removed KDTREE_INT4_DECODE to time the grouped path (now T·k > 32 only)",

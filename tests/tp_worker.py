@@ -238,9 +238,9 @@ SCENARIOS = {"forward": scenario_forward, "generate": scenario_generate, "int4_l
 
 
 def run(rank: int, world: int, port: int, out: str, names: list, checkpoint: str | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180))
     try:
         import torch_kdtree  # noqa: F401
         from torch.distributed.device_mesh import init_device_mesh
