@@ -106,6 +106,8 @@ def _packages():
 setup(
     packages=_packages(),
     package_dir={"torch_kdtree.models": "models"},
+    # the trained default pair (python -m training.run writes it), shipped with installs
+    package_data={"torch_kdtree.models": ["default_pair/*.md", "default_pair/*.json", "default_pair/*/*"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )
