@@ -25,7 +25,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 BLOCK = 4  # L = 3 draft depths: a short oracle look-ahead keeps the CPU runs quick
 SMALL = ["--block-size", str(BLOCK), "--max-context", "128", "--points", "2", "--repeats", "2", "--burst-short", "2",
          "--burst-long", "18", "--sustained-tokens", "96", "--window-steps", "4", "--timing-steps", "4",
-         "--profile-steps", "1", "--position-bins", "4", "--device", "cpu", "--quiet", "--tiny-pair"]
+         "--profile-steps", "1", "--position-bins", "4", "--device", "cpu", "--quiet", "--tiny-pair",
+         "--threads", "1"]  # the tiny pair gains nothing from more, and a second thread stalls on a busy CPU
 
 
 # ---------------------------------------------------------------------------- the arithmetic
@@ -163,7 +164,9 @@ def test_default_pair_is_the_tiny_pair_until_a_shipped_pair_exists(monkeypatch, 
 
 
 def _run(directory: Path, *extra: str) -> dict:
+    threads = torch.get_num_threads()
     assert main([*SMALL, "--out", str(directory), *extra]) == 0
+    assert torch.get_num_threads() == threads  # --threads holds only while it runs
     return json.loads((directory / "diagnose.json").read_text())
 
 

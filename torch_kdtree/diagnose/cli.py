@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bins of acceptance over the response (default 8)")
 
     run = p.add_argument_group("running and output")
+    run.add_argument("--threads", type=_number(int, 1), metavar="N",
+                     help="CPU threads for torch while it runs (default: torch's; 1 suits the tiny pair on a busy CPU)")
     run.add_argument("--no-cuda-graphs", action="store_true", help="run the steps eagerly on CUDA")
     run.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                      help="torch.compile of the steps (auto: combo on CUDA with graphs, as generate(); off on the CPU)")
@@ -139,6 +141,16 @@ def diagnose(argv: list[str] | None = None, *, progress: bool = True) -> dict:
 
 
 def run(args: argparse.Namespace, *, progress: bool = True) -> dict:
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, *, progress: bool) -> dict:
     from .pair import check_pair, checkpoint_pair, default_pair, prompt_ids, special_ids, tiny_pair, with_oracle
     from .report import build, summary, write_csv
 
