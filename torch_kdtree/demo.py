@@ -37,20 +37,43 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _in_range(kind, lo, hi):
+    """An argparse type: ``kind(text)`` within [lo, hi], else an argparse error naming the range."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in [{lo}, {hi}], got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected a number in [{lo}, {hi}], got {text!r}")
+        return value
+    return parse
+
+
+def _budget(text: str):
+    if text == "auto":
+        return text
+    try:
+        return _in_range(int, 1, 1024)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int in [1, 1024], got {text!r}") from None
+
+
 def main(argv=None) -> None:
     from torch_kdtree.models.generation import OracleDrafter  # the models import transformers: on use only
     from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=2, help="requests (prompts of different lengths)")
-    ap.add_argument("--budget", default="16", help="tree budget B, or 'auto'")
-    ap.add_argument("--block-size", type=int, default=4, help="drafter block size (L = block size - 1)")
+    ap.add_argument("--max-new-tokens", type=_in_range(int, 1, 4096), default=32, help="1..4096")
+    ap.add_argument("--batch", type=_in_range(int, 1, 64), default=2, help="requests (prompts of different lengths)")
+    ap.add_argument("--budget", type=_budget, default="16", help="tree budget B in 1..1024, or 'auto'")
+    ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=4,
+                    help="drafter block size (L = block size - 1), 2..16")
     ap.add_argument("--drafter", choices=("dflash", "oracle"), default="dflash")
-    ap.add_argument("--accuracy", type=float, default=0.8, help="oracle per-token accuracy")
+    ap.add_argument("--accuracy", type=_in_range(float, 0.0, 1.0), default=0.8, help="oracle per-token accuracy, 0..1")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    budget = args.budget if args.budget == "auto" else int(args.budget)
+    budget = args.budget
 
     device = _device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
