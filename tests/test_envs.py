@@ -28,6 +28,7 @@ PENDING = {
     "tests/test_plan.py": "copies os.environ for its child process: envs.child_environment(PYTHONPATH=...)",
     "tests/test_generate.py": "a skip message names KDTREE_INDUCTOR_PDL (now KDTREE_PDL)",
     "bench/bench_generate.py": "BENCH_* parameters from os.environ: command-line arguments",
+    "bench/bench_tensor_parallel.py": "BENCH_COMPILE from os.environ: a command-line argument",
     "bench/bench_int4_moe.py": "sets the removed KDTREE_INT4_DECODE to time the grouped path (now T·k > 32 only)",
     "tools/ab_decode.py": "AB_* parameters from os.environ; names KDTREE_MLA_DECODE_STAGES",
     "tools/profile_decode.py": "OUT / PROFILE_COMPILE from os.environ",
