@@ -1104,7 +1104,7 @@ def test_cuda_compiled_steps_triton_kernels_wait_before_reading_predecessors():
     from torch_kdtree.models.generation.session import PDL_OPTION, inductor_options
 
     if PDL_OPTION not in inductor_options({}, torch.device("cuda")):
-        pytest.skip("inductor PDL does not apply here (torch without the option, pre-sm_90, or KDTREE_INDUCTOR_PDL=0)")
+        pytest.skip("inductor PDL does not apply here (torch without the option, pre-sm_90, or KDTREE_PDL=0)")
     model = gpu_target(97)
     ids, mask = prompts(2, 97)
     drafter = make_drafter("random_dflash", model, 98, 4).to("cuda", torch.bfloat16)

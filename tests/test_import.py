@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from torch_kdtree import envs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The editable install's finder maps torch_kdtree.models to models/ by itself; dropping it leaves
@@ -16,9 +18,7 @@ NO_EDITABLE_FINDER = ("import sys\n"
 
 
 def _python(code: str, cwd, path: str | None = None) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if path is not None:
-        env["PYTHONPATH"] = path
+    env = envs.child_environment(PYTHONPATH=path)  # None: unset
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr

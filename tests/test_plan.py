@@ -1,7 +1,6 @@
 """The KV-capacity planner (issue 49): its arithmetic against hand-computed K2.6 values, against
 vLLM's published K2-Thinking log, against what this engine's caches allocate, and its CLI."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch_kdtree import envs
 from torch_kdtree.plan import (DRAFTERS, GPUS, MODELS, Deployment, DrafterShape, GiB, TargetShape,
                                cache_tokens_per_request, drafter_cache_bytes, engine_cache_bytes, evaluate, fixes,
                                kv_bytes_per_token, kv_bytes_per_token_per_layer, main, plan, tokens_for_memory,
@@ -294,7 +294,7 @@ def test_planner_imports_neither_torch_nor_transformers():
             "out = plan('kimi-k2.6', context=200000); assert out['fits']; "
             "print(sorted(m for m in ('torch', 'transformers', 'torch_kdtree.models') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=envs.child_environment(PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
