@@ -81,6 +81,11 @@ def _kernels_on(device_type: str) -> frozenset[str]:
     return frozenset(op for op in _OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"kdtree::{op}", key))
 
 
+# Read once at import (torch_kdtree registered its kernels before the models load): a constant, so
+# that a plan made while torch.compile traces a forward asks the dispatcher nothing.
+_CUDA_KERNELS = _kernels_on("cuda")
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a pass runs: ``device`` type (``"cuda"``, ``"cpu"``), whether the pass is compiled
@@ -97,7 +102,7 @@ class Target:
             return True
         if self.device != "cuda":
             return False
-        kernels = self.kernels if self.kernels is not None else _kernels_on(self.device)
+        kernels = self.kernels if self.kernels is not None else _CUDA_KERNELS
         return op in kernels
 
     @property
