@@ -2,11 +2,14 @@
 drafter at controlled accuracy over sustained generations, and transformers' baselines.
 
 Run (H200, ~3-5 min):  pytest bench/bench_generate.py --benchmark-only -s
-Environment: BENCH_TOKENS (default 2000, tokens per sustained generation), BENCH_HF_TOKENS
-(default 128: transformers' eager generate, ~50 tokens/s, is timed on fewer tokens),
-BENCH_ASSISTED_TOKENS (default 64), BENCH_COMPILE (default 1: steps compiled by inductor, as
-generate() does on CUDA; 0: eager ops in the graphs), BENCH_STEP_BUDGETS (default
-0,8,16,32,64,128,256: the step-time table's budgets; each compiles once, ~20-30 s on the H200).
+Options (pytest's command line, declared in bench/conftest.py): --bench-tokens N (default 2000,
+tokens per sustained generation), --bench-hf-tokens N (default 128: transformers' eager generate,
+~50 tokens/s, is timed on fewer tokens), --bench-assisted-tokens N (default 64), --bench-compile
+0|1|combo|tuned (default 1: steps compiled by inductor; 0: eager ops in the graphs; combo / tuned:
+inductor with those options, combo as generate() compiles on CUDA), --bench-step-budgets B,B,...
+(default 0,8,16,32,64,128,256, must include 0 and 16: the step-time table's budgets; each
+compiles once, ~20-30 s on the H200).  E.g. pytest bench/bench_generate.py --benchmark-only -s
+--bench-tokens 500 --bench-step-budgets 0,16.
 
 Configurations (random weights, bf16, batch 1, 128-token random prompt):
 - "2p2b": hidden 2048, 8 layers (layer 0 dense, intermediate 6144), 64 routed experts top-8 +
@@ -33,8 +36,8 @@ DeepseekV3ForCausalLM.generate (eager) and its assisted generation with a one-la
 assistant, on the 2p2b configuration.
 """
 import functools
-import os
 import time
+from typing import NamedTuple, Union
 
 import pytest
 import torch
@@ -42,19 +45,30 @@ import torch
 from torch_kdtree.models.dflash import random_drafter
 from torch_kdtree.models.generation import GenerationSession, OracleDrafter
 
-from .conftest import hbm_ceiling, record, requires_cuda
+from .conftest import compile_step_option, hbm_ceiling, record, requires_cuda
 from .floor import routed_experts_of_step, step_bytes
 
-TOKENS = int(os.environ.get("BENCH_TOKENS", 2000))
-COMPILE = os.environ.get("BENCH_COMPILE", "1") == "1"  # steps compiled by inductor (generate's CUDA default)
-HF_TOKENS = int(os.environ.get("BENCH_HF_TOKENS", 128))
-ASSISTED_TOKENS = int(os.environ.get("BENCH_ASSISTED_TOKENS", 64))
 PROMPT = 128
-BUDGETS = tuple(int(b) for b in os.environ.get("BENCH_STEP_BUDGETS", "0,8,16,32,64,128,256").split(","))
-if not {0, 16} <= set(BUDGETS):
-    raise ValueError(f"BENCH_STEP_BUDGETS must include 0 (autoregressive) and 16 (the target's budget), got {BUDGETS}")
 BLOCK_SIZE = 8
 RESULTS: dict = {}
+
+
+class RunOptions(NamedTuple):
+    """This run's parameters (the module docstring's options)."""
+
+    tokens: int                      # per sustained generation
+    compile_step: Union[bool, str]   # GenerationSession's compile_step for the step-time table
+    hf_tokens: int                   # transformers' eager generate
+    assisted_tokens: int             # transformers' assisted generate
+    budgets: tuple                   # the step-time table's budgets (0 and 16 among them)
+
+
+@pytest.fixture(scope="session")
+def run_options(request) -> RunOptions:
+    get = request.config.getoption
+    return RunOptions(tokens=get("--bench-tokens"), compile_step=compile_step_option(get("--bench-compile"), True),
+                      hf_tokens=get("--bench-hf-tokens"), assisted_tokens=get("--bench-assisted-tokens"),
+                      budgets=get("--bench-step-budgets"))
 
 
 def _has_cuda_kernel(op: str) -> bool:
@@ -155,9 +169,10 @@ def _configs():
 
 
 @pytest.mark.parametrize("name", _configs())
-def test_step_time_against_tree_budget(benchmark, name):
+def test_step_time_against_tree_budget(benchmark, name, run_options):
     """One session, one graph per budget; each timed over 16 replays after a 128-token prompt."""
     model = target(name)
+    BUDGETS, COMPILE = run_options.budgets, run_options.compile_step
     session = GenerationSession(model, drafter(name), batch_size=1, max_prompt=PROMPT, max_new=512,
                                 budgets=BUDGETS, compile_step=COMPILE)
     session.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
@@ -193,19 +208,20 @@ def test_step_phase_profile(benchmark, name):
     record(benchmark, op="phase_profile", config=name, budget=16, **means)
 
 
-def _generate(model, ids, **kwargs):
+def _generate(model, ids, tokens, **kwargs):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=TOKENS, eos_token_id=None, return_dict_in_generate=True, **kwargs)
+    out = model.generate(ids, max_new_tokens=tokens, eos_token_id=None, return_dict_in_generate=True, **kwargs)
     torch.cuda.synchronize()
     return out, time.perf_counter() - t0, ids.shape[1]
 
 
 @pytest.mark.parametrize("name", _configs())
-def test_autoregressive_tokens_per_second(benchmark, name):
+def test_autoregressive_tokens_per_second(benchmark, name, run_options):
     model = target(name)
+    TOKENS = run_options.tokens
     model.generate(prompt(name), max_new_tokens=TOKENS, eos_token_id=None)  # session + graph capture
-    out, wall, _ = benchmark.pedantic(lambda: _generate(model, prompt(name)), rounds=1, iterations=1)
+    out, wall, _ = benchmark.pedantic(lambda: _generate(model, prompt(name), TOKENS), rounds=1, iterations=1)
     rate = TOKENS / out.step_seconds
     RESULTS[(name, "ar")] = {"rate": rate, "wall_rate": TOKENS / wall, "sequences": out.sequences}
     record(benchmark, op="autoregressive", config=name, tokens=TOKENS, tokens_per_s=rate,
@@ -214,15 +230,16 @@ def test_autoregressive_tokens_per_second(benchmark, name):
 
 @pytest.mark.parametrize("accuracy", [0.6, 0.8, 0.95])
 @pytest.mark.parametrize("name", _configs())
-def test_oracle_tokens_per_second(benchmark, name, accuracy):
+def test_oracle_tokens_per_second(benchmark, name, accuracy, run_options):
     """Sustained DDTree generation, tree_budget="auto", an oracle of the given per-token accuracy
     (the true token second in half of its misses).  tokens/s inside the steps (the oracle's
     look-ahead excluded, the inner DFlash drafter's cost included)."""
     model = target(name)
+    TOKENS = run_options.tokens
     oracle = _oracle(name)
     oracle.set_accuracy(accuracy)
-    out, wall, T = benchmark.pedantic(lambda: _generate(model, prompt(name), drafter=oracle, tree_budget="auto"),
-                                      rounds=1, iterations=1)
+    out, wall, T = benchmark.pedantic(lambda: _generate(model, prompt(name), TOKENS, drafter=oracle,
+                                                        tree_budget="auto"), rounds=1, iterations=1)
     rate = TOKENS / out.step_seconds
     used = {b: out.budgets.count(b) for b in sorted(set(out.budgets))}
     info = dict(op="ddtree_oracle", config=name, accuracy=accuracy, tokens=TOKENS, tokens_per_s=rate,
@@ -264,9 +281,10 @@ def _hf_models():
 
 @requires_cuda
 @requires_mla
-def test_transformers_generate_baselines(benchmark):
+def test_transformers_generate_baselines(benchmark, run_options):
     """transformers' DeepseekV3ForCausalLM.generate (eager, its own cache) and its assisted
     generation (a one-layer random assistant) on the 2p2b configuration."""
+    HF_TOKENS, ASSISTED_TOKENS = run_options.hf_tokens, run_options.assisted_tokens
     main, assistant = _hf_models()
     ids = prompt("2p2b")
     common = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -1,4 +1,6 @@
-"""Shared benchmark helpers: CUDA-graph timing and the ceilings measured in the same run."""
+"""Shared benchmark helpers: CUDA-graph timing, the ceilings measured in the same run, and the
+benchmarks' command-line options (pytest_addoption: --bench-tokens, --bench-compile, ...)."""
+import argparse
 import functools
 from typing import NamedTuple
 
@@ -90,6 +92,54 @@ def bf16_matmul_tflops() -> float:
     c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
     us = cuda_time_us(lambda: torch.mm(a, b, out=c), calls_per_graph=5, replays=5)
     return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def _count(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {raw!r}")
+    return n
+
+
+def _budgets(raw: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(b) for b in raw.split(","))
+    except ValueError:
+        budgets = ()
+    if not {0, 16} <= set(budgets) or min(budgets) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets >= 0 including 0 (autoregressive) "
+                                         f"and 16 (the target's budget), got {raw!r}")
+    return budgets
+
+
+def compile_step_option(raw, default):
+    """``--bench-compile``'s value as GenerationSession's ``compile_step``: 0 -> False (eager ops in
+    the graphs), 1 -> True (inductor), another word as it is (``combo`` / ``tuned``: inductor with
+    those options; another: a torch.compile backend), unset -> ``default``."""
+    if raw is None:
+        return default
+    return {"0": False, "1": True}.get(raw, raw)
+
+
+def pytest_addoption(parser):
+    """The benchmarks' run parameters (each bench_*.py file's docstring says which it reads)."""
+    group = parser.getgroup("bench", "torch_kdtree benchmarks (bench/)")
+    group.addoption("--bench-tokens", type=_count, default=2000, metavar="N",
+                    help="tokens per sustained generation (bench_generate; default 2000)")
+    group.addoption("--bench-hf-tokens", type=_count, default=128, metavar="N",
+                    help="tokens of transformers' eager generate (bench_generate; default 128)")
+    group.addoption("--bench-assisted-tokens", type=_count, default=64, metavar="N",
+                    help="tokens of transformers' assisted generate (bench_generate; default 64)")
+    group.addoption("--bench-compile", default=None, metavar="0|1|combo|tuned",
+                    help="how the generation steps are compiled: 0 eager ops in the graphs, 1 inductor, "
+                         "combo / tuned inductor with those options, another word a torch.compile backend "
+                         "(default: each benchmark's own)")
+    group.addoption("--bench-step-budgets", type=_budgets, default=(0, 8, 16, 32, 64, 128, 256), metavar="B,B,...",
+                    help="the step-time table's tree budgets, including 0 and 16 (bench_generate; "
+                         "default 0,8,16,32,64,128,256)")
 
 
 def pytest_collect_file(parent, file_path):
