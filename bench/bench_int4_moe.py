@@ -5,8 +5,8 @@ Run: pytest bench/bench_int4_moe.py --benchmark-only -s       (one `op=int4_moe`
      python -m bench.bench_int4_moe                           (the same as a markdown table)
 
 Shapes: TP-8 (E = 384, H = 7168, I = 256, k = 8) and TP-1 (I = 2048 with E = 128, so that the
-bf16 baseline's weights fit twice), T in {1, ..., 256}, group 32.  Times are per call inside a
-CUDA graph of 20 calls (bench/conftest.py); consecutive calls cycle over ROUTINGS random routings
+bf16 baseline's weights fit twice), T in {1, 2, 4, 5, 8, ..., 256}, group 32.  Times are per call
+inside a CUDA graph of 20 calls (bench/conftest.py); consecutive calls cycle over ROUTINGS random routings
 and LAYERS distinct weight copies, so the touched experts are not L2-resident (60 MiB on the
 H200).  bytes = the touched experts' INT4 weights + bf16 scales (3.10 MB per TP-8 expert) + x
 read + out written; gbs = bytes / time; ceiling_ratio = gbs / the HBM ceiling (bench/conftest.py:
@@ -16,24 +16,27 @@ where neither runs), dequant = the touched experts' compressed-tensors weights d
 bf16 with torch ops, then the same grouped matmuls (graphs of 4 calls, it is slow).  The
 baselines get the routing's sort and expert list precomputed on the host (not timed).
 eager_us is pytest-benchmark's eager call + synchronisation (Python and launches included).
-gpu_us is the default path: for T · k <= 32 the two-launch decode path (csrc/moe_decode.cu), and
-then grouped_path_us times the same calls on the four-launch grouped GEMMs (KDTREE_INT4_DECODE=0)
-in the same run; above that the grouped GEMMs.  shared_fused_us (decode-sized calls) times
+gpu_us is the default path, chosen from shapes only and recorded as ``path``: ``decode`` (the
+two-launch csrc/moe_decode.cu) for T · k <= 32 (ops.moe.int4_decode_path_fits), ``grouped`` (the
+four-launch grouped GEMMs of csrc/moe.cu) above.  No switch selects the grouped path for a
+decode-sized call any more, so the grouped path is timed where the default takes it: T = 5
+(40 slots, its smallest call at k = 8) next to T = 4 (32 slots, the decode path's largest), and
+T >= 8.  shared_fused_us (decode-sized calls) times
 int4_moe with a bf16 shared expert (Is = I, two cycled weight copies) and a residual computed inside
 the same two launches, as the Kimi model's INT4 decode step calls it (its extra bytes are not in
 ``bytes``).
 """
 import math
-import os
 
 import pytest
 import torch
 
 from torch_kdtree.ops import int4_moe, int4_moe_out, int4_moe_weights, int4_moe_workspace
+from torch_kdtree.ops.moe import int4_decode_path_fits
 
 from .conftest import cuda_time_us, hbm_ceiling, record, requires_cuda
 
-TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+TOKENS = [1, 2, 4, 5, 8, 16, 32, 64, 128, 256]  # 4 | 5: the decode | grouped boundary at k = 8
 SHAPES = {"tp8": dict(E=384, H=7168, I=256, k=8), "tp1": dict(E=128, H=7168, I=2048, k=8)}
 GROUP = 32
 LAYERS = 2
@@ -166,20 +169,10 @@ def measure(shape: str, T: int) -> dict:
             bf16_moe(calls[0], layers[0].w13, layers[0].w2, False, True)
         except Exception:  # grouped_mm present but not for this device / dtype
             use_grouped = False
+    decode = int4_decode_path_fits(T, k, H, I)  # the path the op takes (csrc/moe_decode.cu: int4_decode_applies)
     us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
-    grouped_us = None  # decode-sized calls: the four-launch grouped path too, for comparison
-    if T * k <= 32:
-        before = os.environ.get("KDTREE_INT4_DECODE")
-        os.environ["KDTREE_INT4_DECODE"] = "0"
-        try:
-            grouped_us = cuda_time_us(cycling(lambda c: int4_moe_out(c.x, c.layer.int4, c.ids, c.tw, c.out, ws), calls))
-        finally:
-            if before is None:
-                del os.environ["KDTREE_INT4_DECODE"]
-            else:
-                os.environ["KDTREE_INT4_DECODE"] = before
     shared_us = None  # decode-sized calls: with a bf16 shared expert (Is = I) and a residual fused in
-    if T * k <= 32:
+    if decode:
         gen_s = torch.Generator(device="cuda").manual_seed(T + 1)
         shared = [tuple((torch.randn(sh, generator=gen_s, device="cuda") / math.sqrt(sh[1])).to(torch.bfloat16)
                         for sh in ((I, H), (I, H), (H, I))) for _ in range(LAYERS)]
@@ -194,8 +187,9 @@ def measure(shape: str, T: int) -> dict:
     touched = sum(c.touched for c in calls) / len(calls)
     nbytes = touched * expert_bytes(H, I) + 2 * T * H * 2
     gbs = nbytes / (us * 1e-6) / 1e9
-    return dict(shape=shape, E=E, H=H, I=I, k=k, T=T, experts_touched=touched, mbytes=nbytes / 1e6, gpu_us=us,
-                gbs=gbs, ceiling_ratio=gbs / ceiling.gbs, grouped_path_us=grouped_us, shared_fused_us=shared_us,
+    return dict(shape=shape, E=E, H=H, I=I, k=k, T=T, path="decode" if decode else "grouped",
+                experts_touched=touched, mbytes=nbytes / 1e6, gpu_us=us, gbs=gbs, ceiling_ratio=gbs / ceiling.gbs,
+                shared_fused_us=shared_us,
                 bf16_us=bf16_us, speedup_vs_bf16=bf16_us / us, dequant_us=dequant_us,
                 speedup_vs_dequant=dequant_us / us, bf16_path="grouped_mm" if use_grouped else "per-expert loop",
                 **ceiling.fields()), calls, ws
@@ -225,11 +219,11 @@ def main():
           f"{ceiling.gbs:.0f} GB/s = max(read {ceiling.read_gbs:.0f}, copy {ceiling.copy_gbs:.0f})\n")
     for shape, s in SHAPES.items():
         print(f"{shape}: E={s['E']} H={s['H']} I={s['I']} k={s['k']} group {GROUP}\n")
-        print("| T | experts | MB | int4 µs | GB/s | of ceiling | bf16 µs | vs bf16 | dequant+mm µs | vs dequant |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| T | path | experts | MB | int4 µs | GB/s | of ceiling | bf16 µs | vs bf16 | dequant+mm µs | vs dequant |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for T in TOKENS:
             r = measure(shape, T)[0]
-            print(f"| {T} | {r['experts_touched']:.1f} | {r['mbytes']:.1f} | {r['gpu_us']:.1f} | {r['gbs']:.0f} | "
+            print(f"| {T} | {r['path']} | {r['experts_touched']:.1f} | {r['mbytes']:.1f} | {r['gpu_us']:.1f} | {r['gbs']:.0f} | "
                   f"{100 * r['ceiling_ratio']:.0f}% | {r['bf16_us']:.1f} | {r['speedup_vs_bf16']:.2f}x | "
                   f"{r['dequant_us']:.0f} | {r['speedup_vs_dequant']:.1f}x |", flush=True)
         print(f"\nbf16 path: {r['bf16_path']}\n")
