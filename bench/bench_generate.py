@@ -119,21 +119,27 @@ def target(name: str):
             model = KimiK2ForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(default)
-    if name == "k2_slice":  # random INT4 experts: any nibble is a valid weight; scales give std ~0.02
+    if name == "k2_slice":
         for layer in model.model.layers:
             if isinstance(layer.mlp, KimiK2MoE):
-                ex = layer.mlp.experts
-                E, I, H = ex.gate_proj.shape
-
-                def packed(o, i):
-                    return torch.randint(-2**31, 2**31 - 1, (E, o, i // 8), dtype=torch.int32, device="cuda")
-
-                def scale(o, i):
-                    return torch.full((E, o, i // 32), 0.02 / 4.6, dtype=torch.bfloat16, device="cuda")
-
-                ex.set_int4(packed(I, H), scale(I, H), packed(I, H), scale(I, H), packed(H, I), scale(H, I))
+                random_int4_experts(layer.mlp.experts, "cuda")
         torch.cuda.empty_cache()
     return model
+
+
+def random_int4_experts(experts, device) -> None:
+    """Random INT4 routed experts of ``experts``' shapes (gate / up [E, I, H], down [E, H, I]: dense,
+    or meta tensors of a model built without memory), set on ``device``: any nibble is a valid
+    weight; group-32 scales give std ~0.02."""
+    E, I, H = experts.gate_proj.shape
+
+    def packed(o, i):
+        return torch.randint(-2**31, 2**31 - 1, (E, o, i // 8), dtype=torch.int32, device=device)
+
+    def scale(o, i):
+        return torch.full((E, o, i // 32), 0.02 / 4.6, dtype=torch.bfloat16, device=device)
+
+    experts.set_int4(packed(I, H), scale(I, H), packed(I, H), scale(I, H), packed(H, I), scale(H, I))
 
 
 @functools.lru_cache(maxsize=None)
