@@ -1,16 +1,19 @@
 """Where a decode / verify step's GPU time goes: a kernel table per step (torch.profiler) and
-graph-replay step times with and without ``torch.compile`` of the step; or (``--timeline``) the
-launches of one compiled, graph-replayed step in order, with their start, duration and the gap to
-the previous launch's end (negative: the launch was resident before its predecessor ended, as
-programmatic-dependent-launch kernels are).
+graph-replay step times, of steps compiled by ``torch.compile`` or (``--no-compile``) eager ones;
+or (``--timeline``) the launches of one compiled, graph-replayed step in order, with their start,
+duration and the gap to the previous launch's end (negative: the launch was resident before its
+predecessor ended, as programmatic-dependent-launch kernels are).
 
-Run (GPU):  python -m tools.profile_decode [2p2b|k2_slice ...]   (writes tables to $OUT or /tmp)
+Run (GPU):  python -m tools.profile_decode [2p2b|k2_slice ...]   (kernel tables and replay times)
             python -m tools.profile_decode --timeline [2p2b|k2_slice ...]   (AR and B = 16 steps)
-The configurations and random models are bench/bench_generate.py's.
+Options: --out DIR (default /tmp: where kernels.txt and timeline_*.txt are written), --no-compile
+(the kernel tables and replay times of eager steps, without CUDA graphs for the tables; default:
+steps compiled by inductor, replayed in graphs).  The configurations and random models are
+bench/bench_generate.py's.
 """
+import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -19,9 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from torch_kdtree.models.generation import GenerationSession
 
-from bench.bench_generate import PROMPT, drafter, prompt, target
+from bench.bench_generate import CONFIGS, PROMPT, drafter, prompt, target
 
-OUT = os.environ.get("OUT", "/tmp")
 STEPS = 6
 
 
@@ -44,8 +46,9 @@ def _profiled_steps(s, budget: int):
     return prof
 
 
-def kernel_table(name: str, budget: int, compiled: bool = False) -> None:
-    """Kernels of STEPS steps: eager ops, or (compiled) inductor's code replayed in the graphs."""
+def kernel_table(name: str, budget: int, compiled: bool = False, out: str = "/tmp") -> None:
+    """Kernels of STEPS steps: eager ops, or (compiled) inductor's code replayed in the graphs;
+    printed and appended to ``out``/kernels.txt."""
     prof = _profiled_steps(_session(name, (0, budget), cuda_graphs=compiled, compile_step=compiled), budget)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
@@ -56,7 +59,7 @@ def kernel_table(name: str, budget: int, compiled: bool = False) -> None:
         lines.append(f"{e.self_device_time_total / STEPS:9.1f} us/step {e.count / STEPS:6.1f}x  {e.key[:150]}")
     text = "\n".join(lines)
     print(text)
-    with open(os.path.join(OUT, "kernels.txt"), "a") as f:
+    with open(os.path.join(out, "kernels.txt"), "a") as f:
         f.write(text + "\n")
 
 
@@ -96,9 +99,9 @@ def step_timeline(events: list, steps: int) -> list[str]:
     return lines
 
 
-def timeline(name: str, budget: int) -> None:
+def timeline(name: str, budget: int, out: str = "/tmp") -> None:
     """The launches of one compiled (combo), graph-replayed step at ``budget`` (step_timeline), to
-    $OUT/timeline_<name>_B<budget>.txt.  The profiler lengthens the step by a few percent."""
+    ``out``/timeline_<name>_B<budget>.txt.  The profiler lengthens the step by a few percent."""
     prof = _profiled_steps(_session(name, (budget,), cuda_graphs=True, compile_step="combo"), budget)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -108,22 +111,42 @@ def timeline(name: str, budget: int) -> None:
     lines = step_timeline(events, STEPS)
     lines[0] = f"{name} B={budget}: {lines[0]}"
     print(lines[0], flush=True)
-    with open(os.path.join(OUT, f"timeline_{name}_B{budget}.txt"), "w") as f:
+    with open(os.path.join(out, f"timeline_{name}_B{budget}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
-def main(args):
-    if args and args[0] == "--timeline":
-        for name in args[1:] or ["2p2b", "k2_slice"]:
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.profile_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"bench_generate's configurations ({', '.join(CONFIGS)}; default: all)")
+    p.add_argument("--timeline", action="store_true",
+                   help="one compiled, graph-replayed step's launches in order (AR and B = 16) instead of the tables")
+    p.add_argument("--out", default="/tmp", metavar="DIR",
+                   help="where kernels.txt and timeline_*.txt are written (default /tmp; created if missing)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="kernel tables and replay times of steps compiled by inductor and replayed in CUDA graphs "
+                        "(default); --no-compile: eager steps")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
+    args.names = args.names or list(CONFIGS)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.timeline:
+        for name in args.names:
             for b in (0, 16):
-                timeline(name, b)
+                timeline(name, b, args.out)
         return
-    compiled = os.environ.get("PROFILE_COMPILE", "1") == "1"
-    for name in args or ["2p2b", "k2_slice"]:
+    for name in args.names:
         for b in (0, 16):
-            kernel_table(name, b, compiled)
-        replay_times(name, compiled)
+            kernel_table(name, b, args.compile, args.out)
+        replay_times(name, args.compile)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
