@@ -24,10 +24,6 @@ OWNERS = {"torch_kdtree/envs.py", "tests/test_envs.py"}
 # Files that still touch the environment or name a removed switch, each waiting on its owner's change
 # (issue 45).  The test fails once an entry is no longer needed: delete it then.
 PENDING = {
-    "tools/sanitize_draft_topk.py": "sets the removed KDTREE_TOPK_CHUNK",
-    "tools/sanitize_gemv.py": "sets the removed KDTREE_PREWAIT and KDTREE_GEMV_RING",
-    "tools/sanitize_int4_moe.py": "sets the removed KDTREE_INT4_DECODE_SPLITS",
-    "tools/sanitize_mla_absorb.py": "sets the removed KDTREE_MLA_DECODE_STAGES",
     "tools/trace_decode.py": "names the removed KDTREE_MLA_PUSH",
 }
 ENV_ACCESS = re.compile(r"\benviron\b|getenv|putenv|setenv\(")

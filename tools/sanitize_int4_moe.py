@@ -4,10 +4,13 @@
     compute-sanitizer --tool racecheck python tools/sanitize_int4_moe.py
 
 Covers the K2 hidden size (H = 7168) with I = 256 on a few experts: the decode path (T·k <= 32:
-cp.async rings, gate/up K splits reduced through a thread-block cluster; once with an expert map
-and int64 ids), the grouped GEMMs with block_size 32 and 64 (T·k > 32), an expert map, int64 ids,
-and the repack; then decode-path calls with a shared expert (Is = 256, and Is = 200, which leaves
-idle shared blocks; one with 3 gate/up K splits) and a residual.
+cp.async rings; once with an expert map and int64 ids; once with T·k = 2, whose gate/up is split
+along K and reduced through a thread-block cluster), the grouped GEMMs with block_size 32 and 64
+(T·k > 32), an expert map, int64 ids, and the repack; then decode-path calls with a shared expert
+(Is = 256, and Is = 200, which leaves idle shared blocks, unsplit and split) and a residual.  The
+kernel chooses the K splits from shapes (csrc/moe_decode.cu, up_splits): none while a call has at
+least half as many units (I / 16 · T · k) as the GPU has SMs, else about one block per SM, so
+T·k <= 4 at I = 256 splits on an H100 or H200; each label gives the splits that rule picks here.
 Exits non-zero if a result is off (relative error > 1e-2 against the reference).  With
 ``--decode-only`` it runs only the decode-path calls (racecheck is slow on the grouped GEMMs).
 """
@@ -29,6 +32,14 @@ def compressed(E, N, K, gen):
     return packed, scale.to(torch.bfloat16)
 
 
+def up_splits(T: int, k: int, H: int, I: int) -> int:
+    """csrc/moe_decode.cu's up_splits on this GPU (for the labels): gate/up's K splits of a decode call."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    units = I // 16 * T * k
+    want = 1 if 2 * units >= sms else -(-sms // units)
+    return max(1, min(8, want, H // 64 // 8))
+
+
 def close(out, ref, label: str) -> bool:
     """Prints the relative error of out against ref; whether it is <= 1e-2 and out has no NaN."""
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
@@ -43,8 +54,8 @@ def main():
     emap = torch.full((20,), -1, dtype=torch.int32, device="cuda")
     emap[torch.randperm(20, generator=gen, device="cuda")[:E]] = torch.arange(E, dtype=torch.int32, device="cuda")
     ok = True
-    cases = [(3, 8, 8, 7, False, False), (1, 8, 8, 7, True, True), (37, 8, 32, 1, True, True),
-             (70, 4, 64, 2, False, False)]
+    cases = [(3, 8, 8, 7, False, False), (1, 8, 8, 7, True, True), (1, 2, 8, 1, False, False),
+             (37, 8, 32, 1, True, True), (70, 4, 64, 2, False, False)]
     if "--decode-only" in sys.argv:
         cases = [c for c in cases if c[0] * c[1] <= 32]
     for T, k, block_size, k_splits, use_map, long_ids in cases:
@@ -59,10 +70,9 @@ def main():
         out = torch.full_like(x, float("nan"))
         torch.ops.kdtree.int4_moe_out(x, *w[:4], ids, tw, m, 32, block_size, k_splits, ws, out)
         ref = int4_moe_reference(x, *w[:4], ids, tw, m, 32)
-        ok &= close(out, ref, f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map}")
-    for T, k, Is, splits in [(1, 8, 256, None), (3, 4, 200, "3")]:
-        if splits is not None:
-            os.environ["KDTREE_INT4_DECODE_SPLITS"] = splits
+        path = f"decode, gate/up K splits: {up_splits(T, k, H, I)}" if T * k <= 32 else "grouped"
+        ok &= close(out, ref, f"T={T} k={k} block_size={block_size} k_splits={k_splits} expert_map={use_map} ({path})")
+    for T, k, Is in [(1, 8, 256), (3, 4, 200), (1, 3, 200)]:
         x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
         ids = torch.rand((T, E), generator=gen, device="cuda").argsort(1)[:, :k].to(torch.int32).contiguous()
         tw = torch.rand((T, k), generator=gen, device="cuda")
@@ -71,8 +81,7 @@ def main():
         res = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.ops.kdtree.int4_moe(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
         ref = int4_moe_reference(x, *w[:4], ids, tw, None, 32, 8, 1, *shared, res)
-        os.environ.pop("KDTREE_INT4_DECODE_SPLITS", None)
-        ok &= close(out, ref, f"T={T} k={k} shared Is={Is} splits={splits} + residual")
+        ok &= close(out, ref, f"T={T} k={k} shared Is={Is} + residual (gate/up K splits: {up_splits(T, k, H, I)})")
     torch.cuda.synchronize()
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)

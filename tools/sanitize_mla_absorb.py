@@ -2,10 +2,11 @@
 mla_prepare with one token and a chunked 17-token pass, 8 and 16 heads, dn 64 and 128, both RoPE
 layouts, a slot past the cache and a negative one (skipped by the kernel); mla_output with dv not a
 multiple of the block's 32 rows and dc 1024; mla_tree_attention_output with several splits (some
-empty), one split, and dv 40; mla_decode with several ring refills (2 and 4 stages), empty splits,
-two requests, dn 192 and a slot past the cache (skipped); each result against the CPU reference."""
-import os
-
+empty), one split, and dv 40; mla_decode with several ring refills at 2 and at 3 stages, empty
+splits, two requests, dn 192 and a slot past the cache (skipped); each result against the CPU
+reference.  mla_decode's ring stages come from shapes (csrc/mla_absorb.cu): 3 when the launch's
+heads x requests clusters of 8 blocks fill at most half the SMs and all fit at 3 stages at once
+(an H100 or H200: up to 4 clusters always, 8 with 132 SMs; sm_120: never), else 2."""
 import torch
 
 import torch_kdtree  # noqa: F401
@@ -120,8 +121,8 @@ def decode(lens, H, dn, dv, page_size, bad_slot=False):
 
 
 with value_checks(False):
-    for stages in ("2", "4"):
-        os.environ["KDTREE_MLA_DECODE_STAGES"] = stages
-        print(decode([767], 16, 128, 128, 16))
-        print(decode([2000, 3], 8, 128, 128, 64))
-    print(decode([40, 300], 4, 192, 40, 7, bad_slot=True))
+    print(decode([767], 16, 128, 128, 16))  # 16 clusters: 2 stages
+    print(decode([2000, 3], 8, 128, 128, 64))  # 16 clusters: 2 stages
+    print(decode([1500], 4, 128, 128, 16))  # 4 clusters: 3 stages on an H100 / H200
+    print(decode([2000, 3], 2, 128, 128, 64))  # 4 clusters: 3 stages there
+    print(decode([40, 300], 4, 192, 40, 7, bad_slot=True))  # 8 clusters: 3 stages with 132 SMs
