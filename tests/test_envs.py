@@ -21,11 +21,6 @@ SOURCES = (".py", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".c", ".cc")
 SKIP_DIRS = {"build", "dist", "__pycache__", "node_modules"}
 # The environment touched in this file's own patterns and in the registry: nowhere else.
 OWNERS = {"torch_kdtree/envs.py", "tests/test_envs.py"}
-# Files that still touch the environment or name a removed switch, each waiting on its owner's change
-# (issue 45).  The test fails once an entry is no longer needed: delete it then.
-PENDING = {
-    "tools/trace_decode.py": "names the removed KDTREE_MLA_PUSH",
-}
 ENV_ACCESS = re.compile(r"\benviron\b|getenv|putenv|setenv\(")
 KDTREE_NAME = re.compile(r"\bKDTREE_[A-Z0-9_]+")
 BUILD_MACROS = {"KDTREE_WITH_CUDA", "KDTREE_CUDA_ARCHS"}  # set by setup.py, not switches
@@ -66,10 +61,7 @@ def test_no_environment_access_or_unregistered_switch_outside_the_registry():
     and every KDTREE_ name in the code is a registered switch or a build macro (a removed switch
     leaves no mention behind)."""
     found = _offenders()
-    new = {p: w for p, w in found.items() if p not in PENDING}
-    assert not new, "\n".join(f"{p}:\n  " + "\n  ".join(w) for p, w in new.items())
-    done = sorted(p for p in PENDING if p not in found)
-    assert not done, f"no longer pending, remove from PENDING in tests/test_envs.py: {done}"
+    assert not found, "\n".join(f"{p}:\n  " + "\n  ".join(w) for p, w in found.items())
 
 
 def test_pytest_environment_changes_name_only_registered_switches():

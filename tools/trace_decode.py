@@ -13,7 +13,7 @@ between the rows.
                slice, and items 0-2 are copied before the wait), 6 first row summed, 7 first row
                stored, 4 rows done (warp 0)
   mla_decode:  0 entry, 1 pre-wait loads issued, 2 wait returned, 3 q_abs summed, 4 query whole
-               (its mbarrier; a cluster barrier with KDTREE_MLA_PUSH=0), 8 first key tile landed,
+               (its mbarrier: the pushed columns arrived), 8 first key tile landed,
                9 first tile done, 10 last tile landed, 11 new key done (its split), 5 keys done (and
                pushed), 6 every split's partial here, 7 W_UV done (warp 0)
   moe_route:   0 entry, 2 wait returned, 4 choice written
