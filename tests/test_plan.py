@@ -32,11 +32,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_k26_kv_bytes_per_token_bf16_and_fp8():
     t = k26()
-    # (kv_lora_rank 512 + qk_rope_head_dim 64) values per token and layer, 61 layers.
+    # (kv_lora_rank 512 + qk_rope_head_dim 64) values per token and layer, 61 layers; fp8 (KimiK2Cache's
+    # layout) adds one fp32 scale per token and layer.
     assert kv_bytes_per_token_per_layer(t, "bf16") == 576 * 2 == 1152
     assert kv_bytes_per_token(t, "bf16") == 61 * 1152 == 70_272
-    assert kv_bytes_per_token_per_layer(t, "fp8") == 576
-    assert kv_bytes_per_token(t, "fp8") == 61 * 576 == 35_136
+    assert kv_bytes_per_token_per_layer(t, "fp8") == 576 + 4 == 580
+    assert kv_bytes_per_token(t, "fp8") == 61 * 580 == 35_380
 
 
 def test_k26_weights_per_gpu_at_tp8_equal_a_hand_count():
@@ -152,26 +153,35 @@ def _cache_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _scales(cache) -> tuple:
+    return (cache.kv_scale,) if cache.kv_scale is not None else ()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("requests, context, budget, block", [(1, 8192, 0, 1), (2, 8000, 16, 8)])
-def test_k2_slice_cache_allocation_within_2_percent(requests, context, budget, block):
-    """KimiK2Cache for bench_kimi_decode's k2_slice config (one TP-8 rank of K2, 4 layers)."""
+def test_k2_slice_cache_allocation_within_2_percent(requests, context, budget, block, kv_dtype):
+    """KimiK2Cache for bench_kimi_decode's k2_slice config (one TP-8 rank of K2, 4 layers), bf16 and
+    fp8 (whose scales the planner counts)."""
     from bench.bench_generate import config_dict
     from torch_kdtree.models.kimi_k2 import KimiK2Cache, KimiK2Config
 
     config = config_dict("k2_slice")
     capacity = cache_tokens_per_request(context, budget, block)
     cache = KimiK2Cache.for_model(KimiK2Config.from_dict(config), requests, capacity, page_size=64,
-                                  dtype=torch.bfloat16, device="cpu")
-    actual = _cache_bytes(cache.kv, cache.block_table, cache.lengths)
-    predicted = engine_cache_bytes(TargetShape.from_config(config), requests, context, tree_budget=budget,
-                                   block_size=block, page_size=64)
-    print(f"k2_slice R={requests} context={context}: planner {predicted:,} B, KimiK2Cache {actual:,} B")
+                                  dtype=torch.bfloat16, device="cpu", kv_cache_dtype=kv_dtype)
+    actual = _cache_bytes(cache.kv, cache.block_table, cache.lengths, *_scales(cache))
+    t = TargetShape.from_config(config)
+    predicted = engine_cache_bytes(t, requests, context, tree_budget=budget, block_size=block, page_size=64,
+                                   kv_dtype=kv_dtype)
+    print(f"k2_slice {kv_dtype} R={requests} context={context}: planner {predicted:,} B, KimiK2Cache {actual:,} B")
     assert abs(predicted - actual) <= 0.02 * actual
+    assert cache.bytes_per_token == kv_bytes_per_token(t, kv_dtype)  # the planner's bytes are the engine's
 
 
-def test_generation_session_allocation_within_2_percent():
-    """A real GenerationSession (tiny K2 target + DFlash drafter, CPU, bf16): its target cache and
-    the drafter's context cache against the planner's per-request reservation."""
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_generation_session_allocation_within_2_percent(kv_dtype):
+    """A real GenerationSession (tiny K2 target + DFlash drafter, CPU, bf16; its latent cache bf16 or
+    fp8): its target cache and the drafter's context cache against the planner's per-request reservation."""
     from torch_kdtree.models.generation import GenerationSession
     from torch_kdtree.models.generation.tiny import TINY_TARGET, tiny_drafter, tiny_target
     from torch_kdtree.models.kimi_k2.writer import k2_config_dict
@@ -180,13 +190,13 @@ def test_generation_session_allocation_within_2_percent():
     drafter = tiny_drafter(target, block_size=4).to(torch.bfloat16)
     R, prompt, new, budgets = 3, 100, 60, (0, 5)
     session = GenerationSession(target, drafter, batch_size=R, max_prompt=prompt, max_new=new, budgets=budgets,
-                                page_size=16, cuda_graphs=False)
-    actual = _cache_bytes(session.cache.kv, session.cache.block_table, session.cache.lengths,
+                                page_size=16, cuda_graphs=False, kv_cache_dtype=kv_dtype)
+    actual = _cache_bytes(session.cache.kv, session.cache.block_table, session.cache.lengths, *_scales(session.cache),
                           drafter.context_k, drafter.context_v, drafter.context_lengths)
     t = TargetShape.from_config(k2_config_dict(TINY_TARGET, int4=False))
     d = DrafterShape.from_config(drafter.config.to_dict())
     predicted = (engine_cache_bytes(t, R, prompt + new, tree_budget=max(budgets), block_size=d.block_size,
-                                    page_size=16)
+                                    page_size=16, kv_dtype=kv_dtype)
                  + drafter_cache_bytes(d, R, prompt + new))
     print(f"tiny session: planner {predicted:,} B, allocated {actual:,} B")
     assert abs(predicted - actual) <= 0.02 * actual

@@ -179,7 +179,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                  attention_mask: torch.Tensor | None = None, speculative: str | None = None, drafter=None,
                  tree_budget: int | str = "auto", streamer=None, profile: bool = False, sync_every: int = 8,
                  cuda_graphs: bool = True, compile_step: bool | str | dict = "auto", page_size: int = 64,
-                 **kwargs):
+                 kv_cache_dtype: str | torch.dtype = "auto", **kwargs):
         """Generate continuations of ``inputs`` [R, T] (or ``input_ids=``).
 
         Args:
@@ -206,13 +206,23 @@ class DDTreeGenerationMixin(GenerationMixin):
                 on disk by inductor; on the 2p2b decode step it measured no faster than
                 ``"combo"`` in run 31).
             page_size: tokens per page of the paged latent cache.
+            kv_cache_dtype: the latent cache's storage, as vLLM / SGLang name it: ``"auto"`` (the
+                model's dtype), ``"fp8"`` / ``"fp8_e4m3"`` (e4m3 with one fp32 scale per token and
+                layer, docs/kimi_k2.md; attention runs in torch ops until the MLA kernels read fp8),
+                or ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
 
         Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
         with ``return_dict_in_generate=True``.
         """
+        from torch_kdtree.models.kimi_k2.cache import resolve_kv_cache_dtype
+
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
             raise ValueError("generate: pass input_ids")
+        try:
+            kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"generate: {e}") from None
         input_ids = _check_input_ids(input_ids)
         config = _resolve_config(self, generation_config, kwargs)
         if speculative is None and drafter is not None:
@@ -257,6 +267,7 @@ class DDTreeGenerationMixin(GenerationMixin):
             compile_step = "combo" if self.device.type == "cuda" and cuda_graphs and not profile else False
         session = _session(self, drafter if speculative else None, R=R, max_prompt=_bucket(T),
                            max_new=_bucket(max_new), budgets=budgets, mode=mode, page_size=page_size,
+                           kv_cache_dtype=kv_dtype,
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
@@ -293,11 +304,11 @@ class DDTreeGenerationMixin(GenerationMixin):
                                     step_seconds=run["step_seconds"])
 
 
-def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, cuda_graphs, compile_step,
-             sync_every, measure) -> GenerationSession:
+def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, kv_cache_dtype, cuda_graphs,
+             compile_step, sync_every, measure) -> GenerationSession:
     """A cached session of the model that fits these shapes (its graphs are reused), else a new one."""
     compiled = tuple(sorted(compile_step.items())) if isinstance(compile_step, dict) else compile_step  # hashable
-    key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, cuda_graphs, compiled,
+    key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled,
            sync_every, model.device, model.dtype)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
     session = sessions.pop(key, None)
@@ -307,15 +318,15 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
         while len(sessions) >= MAX_SESSIONS:
             sessions.pop(next(iter(sessions)))  # free the oldest buffers and graphs first
         session = GenerationSession(model, drafter, batch_size=R, max_prompt=max_prompt, max_new=max_new,
-                                    budgets=budgets, mode=mode, page_size=page_size, cuda_graphs=cuda_graphs,
-                                    compile_step=compile_step, sync_every=sync_every)
+                                    budgets=budgets, mode=mode, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                                    cuda_graphs=cuda_graphs, compile_step=compile_step, sync_every=sync_every)
         session.step_seconds = None
     elif drafter is not None and hasattr(drafter, "attach"):
         drafter.attach(model, session.cache)
     sessions[key] = session  # most recently used last
     if measure and session.step_seconds is None:  # measured once per drafter, batch size and budgets
         measured = model.__dict__.setdefault("_ddtree_step_seconds", {})
-        timing_key = (id(drafter), R, tuple(budgets), mode, page_size, cuda_graphs, compiled)
+        timing_key = (id(drafter), R, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled)
         if timing_key not in measured:
             measured[timing_key] = session.measure_step_seconds(budgets)
         session.step_seconds = measured[timing_key]

@@ -10,7 +10,7 @@ flags, per-step statistics — allocated once, at fixed addresses.  One step is 
     logits [R, N, V], taps = target(tree tokens, committed_len + depth, visible)
     post [R, N]            = argmax, or Gumbel-max samples (sampling.py)
     acc                    = tree_accept(tree, post)
-    kv_commit(all layers); lengths += accepted; drafter context += taps at the accepted path
+    kv_commit(all layers; rows and fp8 scales); lengths += accepted; drafter context += taps at the accepted path
     output buffer += the accepted drafts and the next root; EOS / max_new_tokens -> finished
 
 Budget B = 0 is the autoregressive step (the root alone through the same cache and kernels).
@@ -36,7 +36,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from torch_kdtree.ops import ddtree_build, draft_topk, draft_topk_merge, draft_topk_partial, kv_commit, tree_accept
+from torch_kdtree.ops import ddtree_build, draft_topk, draft_topk_merge, draft_topk_partial, tree_accept
 from torch_kdtree.ops import value_checks
 
 from .sampling import SamplingMode, SamplingParams, select_tokens
@@ -175,6 +175,9 @@ class GenerationSession:
         budgets: the budgets with a step (0 = autoregressive); each gets its own graph.
         mode: greedy or sampling (:class:`SamplingMode`), fixed per session.
         page_size: tokens per page of the target's cache.
+        kv_cache_dtype: the target cache's storage: ``"auto"`` (the target's dtype), ``"fp8"``
+            (e4m3 rows with per-token scales; attention then runs in torch ops) or a dtype name
+            (``KimiK2Cache``).
         cuda_graphs: capture and replay on CUDA (ignored on the CPU).
         compile_step: run each step through ``torch.compile(fullgraph=True)`` (captured in the
             graphs on CUDA); True for inductor, ``"combo"`` / ``"tuned"`` for inductor with
@@ -186,7 +189,8 @@ class GenerationSession:
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
-                 compile_step: bool | str | dict = False, sync_every: int = 8):
+                 compile_step: bool | str | dict = False, sync_every: int = 8,
+                 kv_cache_dtype: str | torch.dtype = "auto"):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
 
         self.target, self.drafter = target, drafter
@@ -216,7 +220,7 @@ class GenerationSession:
         self.max_steps = max_new + self.sync_every + 1
         dev = self.device
         self.cache = KimiK2Cache.for_model(target, batch_size, self.capacity, page_size=page_size,
-                                           dtype=target.dtype, device=dev)
+                                           dtype=target.dtype, device=dev, kv_cache_dtype=kv_cache_dtype)
         if drafter is not None:
             if hasattr(drafter, "bind_target"):
                 drafter.bind_target(target.model.embed_tokens, target.lm_head)
@@ -306,7 +310,7 @@ class GenerationSession:
         acc = tree_accept(tree.tokens, tree.parents, post)
         self._phase("commit")
         count = torch.where(active, acc.lengths, 0)
-        kv_commit(cache.kv, cache.block_table, cache.lengths, acc.indices, count)
+        cache.commit(acc.indices, count)
         drafter.append_context(out.taps, count, indices=acc.indices[:, : self.block_size])
         cache.advance(count)
         # emitted this step: the accepted drafts (path nodes 1..a-1), then the next root

@@ -6,24 +6,77 @@ One tensor ``kv`` [num_layers, num_pages, page_size, D] with D = kv_lora_rank + 
 ``block_table`` int32 [R, max_pages] maps each request's logical pages to physical pages and
 ``lengths`` int32 [R] (on the device) is each request's committed prefix length.
 
+``kv_cache_dtype="fp8"`` stores the rows as float8_e4m3fn with one fp32 scale per (layer, token),
+``kv_scale`` [num_layers, num_pages, page_size]: entry = value * scale, 576 + 4 bytes per token and
+layer for K2 (1.99x the tokens of bf16 per byte).  The scale is the power of two at or above the
+row's max |value| / 448 (e4m3's largest finite value): e4m3 keeps 3 mantissa bits over ~2^14 of
+range below the max, so one scale serves the latent and rope parts alike, and a power of two makes
+the dequantised values exact in bf16 (an attention kernel may dequantise into its bf16 operands
+without rounding).  The rows stay 576 bytes, 16-byte aligned, and the scales a tensor of their own,
+so ``kv_commit`` moves both as they are (:meth:`KimiK2Cache.commit`).  Writes quantise, reads
+dequantise to the compute ``dtype``; the MLA kernels do not read fp8 yet (the decode plan sends
+attention to its torch form).
+
 Allocated once for a maximum number of tokens per request.  A forward writes its new tokens'
 entries right after the committed prefix (token i of request r at position ``lengths[r] + i``)
 and never moves ``lengths``: the caller commits with :meth:`KimiK2Cache.advance` (after a
-prefill or a decode step) or ``kv_commit`` + ``advance`` (after a tree verify).  Every tensor
-keeps its address for the cache's life, so one CUDA graph serves every step.
+prefill or a decode step) or :meth:`KimiK2Cache.commit` (``kv_commit``) + ``advance`` (after a
+tree verify).  Every tensor keeps its address for the cache's life, so one CUDA graph serves
+every step.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from torch_kdtree.ops import kv_commit
 from torch_kdtree.ops._checks import value_checks_active
 
-__all__ = ["KimiK2Cache", "CacheOverflowError"]
+__all__ = ["KimiK2Cache", "CacheOverflowError", "KV_CACHE_DTYPES", "resolve_kv_cache_dtype", "fp8_quantize",
+           "fp8_dequantize"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+# kv_cache_dtype names (vLLM's and SGLang's words; "auto": the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                   "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+                   "fp32": torch.float32, "float": torch.float32}
 
 
 class CacheOverflowError(ValueError):
     """A write would go past a request's allocated pages."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype a ``kv_cache_dtype`` (a name of :data:`KV_CACHE_DTYPES` or a torch dtype)
+    means for a model computing in ``dtype``."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype not in (FP8, torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is not a latent cache dtype (torch.float8_e4m3fn, "
+                             f"bfloat16, float16 or float32)")
+        return kv_cache_dtype
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a name ({', '.join(KV_CACHE_DTYPES)}) or a torch.dtype, got "
+                        f"{type(kv_cache_dtype).__name__}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        e5m2 = " (e5m2 is not implemented: the fp8 cache is e4m3)" if "e5m2" in kv_cache_dtype else ""
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}{e5m2}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
+def fp8_quantize(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``entries`` [..., D] as (e4m3 values [..., D], fp32 scales [...]) with entries ~= values * scale;
+    each scale the power of two at or above the row's max |entry| / 448 (1 for a row of zeros)."""
+    x = entries.float()
+    amax = x.abs().amax(-1)
+    scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax / FP8_MAX).exponent)  # 2^e >= amax / 448
+    values = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values, scale
+
+
+def fp8_dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values * scale`` in ``dtype`` (exact for bf16 / fp32: 4 significant bits times a power of two)."""
+    return (values.float() * scale[..., None]).to(dtype)
 
 
 class KimiK2Cache(nn.Module):
@@ -35,21 +88,32 @@ class KimiK2Cache(nn.Module):
         max_tokens: tokens each request may hold (prompt + generated + one tree in flight).
         entry_dim: D = kv_lora_rank + qk_rope_head_dim.
         page_size: tokens per page.
-        dtype, device: of the ``kv`` tensor (the model's compute dtype).
+        dtype, device: the model's compute dtype (the ``kv`` tensor's, unless ``kv_cache_dtype``
+            says otherwise; what fp8 reads dequantise to) and the device.
+        kv_cache_dtype: ``"auto"`` (``dtype``), ``"fp8"`` (e4m3 rows + fp32 scales, module
+            docstring), another name of :data:`KV_CACHE_DTYPES` or a torch dtype.
     Pages are assigned contiguously (request r owns pages [r * P, (r + 1) * P)); a different
     page assignment can be written into ``block_table`` by the caller.
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_tokens: int, entry_dim: int, *, page_size: int = 64,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 kv_cache_dtype: str | torch.dtype = "auto"):
         super().__init__()
         if min(num_layers, batch_size, max_tokens, entry_dim, page_size) < 1:
             raise ValueError("KimiK2Cache: num_layers, batch_size, max_tokens, entry_dim and page_size must be >= 1")
+        storage = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if storage == FP8 and entry_dim % 2:
+            raise ValueError(f"KimiK2Cache: an fp8 cache needs an even entry_dim (kv_commit moves its rows as "
+                             f"16-bit words), got {entry_dim}")
         pages_per_request = -(-max_tokens // page_size)
         num_pages = batch_size * pages_per_request
         self.page_size = page_size
-        self.register_buffer("kv", torch.zeros(num_layers, num_pages, page_size, entry_dim, dtype=dtype,
+        self.dtype = dtype
+        self.register_buffer("kv", torch.zeros(num_layers, num_pages, page_size, entry_dim, dtype=storage,
                                                device=device), persistent=False)
+        scale = torch.ones(num_layers, num_pages, page_size, device=device) if storage == FP8 else None
+        self.register_buffer("kv_scale", scale, persistent=False)
         table = torch.arange(num_pages, dtype=torch.int32, device=device).view(batch_size, pages_per_request)
         self.register_buffer("block_table", table, persistent=False)
         self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.int32, device=device), persistent=False)
@@ -57,16 +121,18 @@ class KimiK2Cache(nn.Module):
 
     @classmethod
     def for_model(cls, config, batch_size: int, max_tokens: int, *, page_size: int = 64,
-                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> "KimiK2Cache":
+                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                  kv_cache_dtype: str | torch.dtype = "auto") -> "KimiK2Cache":
         """A cache sized for ``config`` (a :class:`KimiK2Config` or a model with ``.config``)."""
         config = getattr(config, "config", config)
         return cls(config.num_hidden_layers, batch_size, max_tokens, config.kv_lora_rank + config.qk_rope_head_dim,
-                   page_size=page_size, dtype=dtype, device=device)
+                   page_size=page_size, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
 
     def _mark_static(self) -> None:
         # Static addresses let compiled steps mutate the cache inside CUDA graphs (no re-recording).
-        for t in (self.kv, self.block_table, self.lengths):
-            torch._dynamo.mark_static_address(t)
+        for t in (self.kv, self.kv_scale, self.block_table, self.lengths):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -76,6 +142,17 @@ class KimiK2Cache(nn.Module):
     @property
     def batch_size(self) -> int:
         return self.block_table.shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the rows are fp8 with per-(layer, token) scales."""
+        return self.kv_scale is not None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over every layer: its rows, and its scales when quantised."""
+        layers, _, _, D = self.kv.shape
+        return layers * (D * self.kv.element_size() + (self.kv_scale.element_size() if self.quantized else 0))
 
     @property
     def capacity(self) -> int:
@@ -118,20 +195,41 @@ class KimiK2Cache(nn.Module):
         return page * self.page_size + positions % self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
-        """Store ``entries`` [..., D] at the flat ``slots`` [...] of ``layer``.  One ``index_put_``
-        on the whole ``kv`` tensor (not on a view of it): inductor then writes in place instead
-        of copying the cache in and out of the compiled step."""
+        """Store ``entries`` [..., D] at the flat ``slots`` [...] of ``layer`` (quantised, with their
+        scales, in an fp8 cache).  One ``index_put_`` on the whole ``kv`` tensor (not on a view of
+        it): inductor then writes in place instead of copying the cache in and out of the compiled step."""
         slots = slots.reshape(-1)
         index = (torch.full_like(slots, layer), slots // self.page_size, slots % self.page_size)
-        self.kv.index_put_(index, entries.reshape(-1, self.kv.shape[-1]).to(self.kv.dtype))
+        entries = entries.reshape(-1, self.kv.shape[-1])
+        if self.quantized:
+            values, scale = fp8_quantize(entries)
+            self.kv.index_put_(index, values)
+            self.kv_scale.index_put_(index, scale)
+        else:
+            self.kv.index_put_(index, entries.to(self.kv.dtype))
 
     def read(self, layer: int, num_tokens: int) -> torch.Tensor:
         """[R, num_tokens, D]: the entries at positions 0..num_tokens-1 of every request (positions
-        past a request's pages are clamped to its last page; callers mask them)."""
+        past a request's pages are clamped to its last page; callers mask them), in the ``kv``
+        tensor's dtype, or dequantised to ``dtype`` from an fp8 cache."""
         pos = torch.arange(num_tokens, device=self.lengths.device)
         pages = (pos // self.page_size).clamp(max=self.block_table.shape[1] - 1)
         page = self.block_table.long()[:, pages]
-        return self.kv[layer][page, pos % self.page_size]
+        rows = self.kv[layer][page, pos % self.page_size]
+        if self.quantized:
+            return fp8_dequantize(rows, self.kv_scale[layer][page, pos % self.page_size], self.dtype)
+        return rows
+
+    def commit(self, indices: torch.Tensor, lengths: torch.Tensor) -> None:
+        """``kdtree::kv_commit`` of every layer's rows (and scales) of the accepted tree nodes:
+        for j < lengths[r], position ``self.lengths[r] + indices[r, j]`` moves to ``self.lengths[r] + j``.
+        ``lengths`` is not added to the committed lengths: :meth:`advance` does that.  The op moves
+        rows bit for bit; fp8 rows go through it as 16-bit words and the scales as rows of one fp32."""
+        if self.quantized:
+            kv_commit(self.kv.view(torch.bfloat16), self.block_table, self.lengths, indices, lengths)
+            kv_commit(self.kv_scale[..., None], self.block_table, self.lengths, indices, lengths)
+        else:
+            kv_commit(self.kv, self.block_table, self.lengths, indices, lengths)
 
     def advance(self, num_tokens) -> None:
         """Commit ``num_tokens`` (an int or an int tensor [R]) more tokens of each request."""

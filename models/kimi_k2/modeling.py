@@ -36,7 +36,7 @@ from .cache import KimiK2Cache
 from .configuration import KimiK2Config, rope_factor, rope_parameters, yarn_mscale
 from .fixed_dtype import FixedDtype
 from .moe import KimiK2Experts, KimiK2MLP, KimiK2MoE, KimiK2Router
-from .plan import PassPlan, plan_pass, target_of
+from .plan import MLA_FORMS, PassPlan, plan_pass, target_of
 
 # DeepSeek's reference code (and transformers) build q_a_layernorm / kv_a_layernorm with the
 # RMSNorm default eps, not config.rms_norm_eps (they differ on K2.5: 1e-5).
@@ -207,9 +207,11 @@ class KimiK2Attention(nn.Module):
         cache.write(layer_idx, batch.slots, latent)
         R, N = q_nope.shape[:2]
         w_uk, w_uv = self._kv_b()
-        q = torch.cat([torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk), q_rope], dim=-1).to(cache.kv.dtype).float()
         S = cache.block_table.shape[1] * cache.page_size
-        keys = cache.read(layer_idx, S).float()  # [R, S, dc + dr]
+        keys = cache.read(layer_idx, S)  # [R, S, dc + dr] (dequantised from an fp8 cache)
+        # q rounded to the keys' dtype, as the kernels' operands are
+        q = torch.cat([torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk), q_rope], dim=-1).to(keys.dtype).float()
+        keys = keys.float()
         pos = torch.arange(S, device=q.device)[None, :] - cache.lengths.long()[:, None]  # [R, S], node index if >= 0
         node = pos.clamp(0, N - 1)[:, None, :].expand(R, N, S)
         sees = (pos < 0)[:, None, :] | (batch.visible.gather(2, node) & (pos < N)[:, None, :])  # [R, N, S]
@@ -366,6 +368,9 @@ class KimiK2Model(KimiK2PreTrainedModel):
             raise ValueError(f"KimiK2Model: the plan is for {plan.rows} rows of {plan.tokens} tokens "
                              f"({'tree' if plan.tree else 'prefill'}), this pass has R = {R}, T = {T} "
                              f"({'tree' if visible is not None else 'prefill'})")
+        elif cache is not None and cache.quantized and any(lp.attention in MLA_FORMS for lp in plan.layers):
+            raise ValueError("KimiK2Model: the plan runs MLA kernels, which do not read an fp8 latent cache; "
+                             "plan the pass with this cache (model.model.plan_pass(..., cache=cache))")
         cos, sin = self.rotary_emb(positions)
         h = self.embed_tokens(input_ids)
         tp = getattr(self, "tp", None)
@@ -386,7 +391,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
         keys = cache.block_table.shape[1] * cache.page_size if cache is not None else 0
         return plan_pass(self, tokens=T, rows=R * T, tree=tree, target=target_of(self.embed_tokens.weight.device,
                                                                                  compiled),
-                         dtype=dtype, cache_keys=keys)
+                         dtype=dtype, cache_keys=keys, kv_cache_dtype=cache.kv.dtype if cache is not None else None)
 
     def _prefill_batch(self, input_ids, positions, cache, input_lengths) -> tuple[_Prefill, torch.Tensor]:
         R, T = input_ids.shape

@@ -16,7 +16,7 @@ runs every fused form on the CPU, through the ops' reference kernels).
 Field values:
 
 - ``attention``: ``expanded`` (prefill: K/V per head, SDPA), ``torch`` (absorbed MQA over the
-  paged cache in torch ops: any latent size), ``tree_op`` (``kdtree::mla_tree_attention``, K2's
+  paged cache in torch ops: any latent size, an fp8 cache), ``tree_op`` (``kdtree::mla_tree_attention``, K2's
   512 + 64 latent), ``prepare`` (``mla_prepare`` then ``mla_tree_attention``), ``prepare_output``
   (``mla_prepare`` then ``mla_tree_attention_output``), ``decode`` (``mla_decode``: all of it in one
   launch, one token per request).
@@ -71,6 +71,9 @@ GATHER_LIMIT = 1 << 26
 RANK_TOPK_MAX = 1 << 22
 # The latent row mla_tree_attention and its relatives read: 512 latent + 64 rope.
 MLA_LATENT, MLA_ROPE = 512, 64
+# The MLA kernels that read or write the latent cache rows (none reads fp8 yet).
+MLA_FORMS = ("tree_op", "prepare", "prepare_output", "decode")
+FP8 = torch.float8_e4m3fn
 
 ALL = "all"  # Target.kernels: pretend every kdtree kernel exists (tests run fused forms on the CPU)
 _OPS = ("gemv", "mla_prepare", "mla_decode", "mla_tree_attention", "moe_gemv", "moe_route", "int4_moe")
@@ -169,11 +172,16 @@ class PassPlan:
     dtype: torch.dtype
     layers: tuple[LayerPlan, ...]
     reasons: tuple[str, ...] = field(default=())
+    kv_cache_dtype: Optional[torch.dtype] = None  # the latent cache's storage (None: dtype)
+
+    @property
+    def fp8_cache(self) -> bool:
+        return self.kv_cache_dtype == FP8
 
     def __str__(self) -> str:
         kind = f"tree pass N={self.tokens}" if self.tree else "prefill"
         head = (f"{kind}, {self.rows} rows, {self.target.device} {str(self.dtype).replace('torch.', '')}"
-                f"{', compiled' if self.target.compiled else ''}")
+                f"{', fp8 latent cache' if self.fp8_cache else ''}{', compiled' if self.target.compiled else ''}")
         lines, i = [head], 0
         while i < len(self.layers):  # runs of identical layers on one line
             j = i
@@ -216,9 +224,9 @@ def _plain_bf16(*modules: nn.Module) -> bool:
 
 class _Planner:
     def __init__(self, model, *, tokens: int, rows: int, tree: bool, target: Target, dtype: torch.dtype,
-                 cache_keys: int):
+                 cache_keys: int, fp8_cache: bool = False):
         self.model, self.N, self.rows, self.tree, self.t = model, tokens, rows, tree, target
-        self.dtype, self.cache_keys = dtype, cache_keys
+        self.dtype, self.cache_keys, self.fp8_cache = dtype, cache_keys, fp8_cache
         self.bf16 = dtype == torch.bfloat16
         self.reasons: list[str] = []
         tp = getattr(model, "tp", None)
@@ -233,6 +241,8 @@ class _Planner:
     def attention(self, layer) -> tuple[str, str]:
         attn, t = layer.self_attn, self.t
         if not self.tree:
+            if self.fp8_cache:
+                self.note("fp8 latent cache: the prefill attends over dequantised cache rows")
             return "expanded", "torch"
         projections = ((attn.q_proj,) if hasattr(attn, "q_proj") else (attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj))
         qkv = "torch"
@@ -242,6 +252,11 @@ class _Planner:
             elif (_plain_bf16(layer.input_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj, *projections)
                   and _gemv_takes(attn.kv_a_proj_with_mqa, attn.o_proj, *projections[::2])):
                 qkv = "gemv_norm"
+        if self.fp8_cache:
+            if t.has("mla_tree_attention"):
+                self.note("fp8 latent cache: the MLA kernels do not read fp8 yet: tree attention in torch ops "
+                          "over dequantised rows")
+            return "torch", qkv
         dc, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
         if not (dc == MLA_LATENT and dr == MLA_ROPE):
             if t.has("mla_tree_attention"):
@@ -349,20 +364,22 @@ def _has_dtensor(model: nn.Module) -> bool:
 
 
 def plan_pass(model, *, tokens: int, rows: int, tree: bool, target: Target, dtype: torch.dtype | None = None,
-              cache_keys: int = 0) -> PassPlan:
+              cache_keys: int = 0, kv_cache_dtype: torch.dtype | None = None) -> PassPlan:
     """The :class:`PassPlan` of one pass of ``model`` (a :class:`KimiK2ForCausalLM` or its
     ``KimiK2Model``): ``tokens`` per request, ``rows`` = requests * tokens, a ``tree`` (absorbed)
     pass or a prefill, on ``target``, in ``dtype`` (default: the model's), over a cache of
-    ``cache_keys`` positions per request (its block table's reach; mla_decode's limit)."""
+    ``cache_keys`` positions per request (its block table's reach; mla_decode's limit) stored in
+    ``kv_cache_dtype`` (``cache.kv.dtype``; None: ``dtype``; fp8 keeps attention in torch ops)."""
     inner = getattr(model, "model", model)
     dtype = dtype or next(inner.parameters()).dtype
-    planner = _Planner(inner, tokens=tokens, rows=rows, tree=tree, target=target, dtype=dtype, cache_keys=cache_keys)
+    planner = _Planner(inner, tokens=tokens, rows=rows, tree=tree, target=target, dtype=dtype, cache_keys=cache_keys,
+                       fp8_cache=kv_cache_dtype == FP8)
     if _has_dtensor(inner):
         planner.note("DTensor weights: every layer runs its reference forward")
         layers = tuple(_reference_like(planner.layer(layer)) for layer in inner.layers)
     else:
         layers = tuple(planner.layer(layer) for layer in inner.layers)
-    return PassPlan(tokens, rows, tree, target, dtype, layers, tuple(planner.reasons))
+    return PassPlan(tokens, rows, tree, target, dtype, layers, tuple(planner.reasons), kv_cache_dtype)
 
 
 def target_of(device: torch.device, compiled: bool) -> Target:

@@ -36,7 +36,7 @@ def fixes(t: TargetShape, d: DrafterShape | None, dep: Deployment) -> list[Fix]:
         return []
     out = []
     if dep.kv_dtype == "bf16" and _fits(t, d, replace(dep, kv_dtype="fp8")):
-        out.append(Fix("--kv-dtype fp8", "halves the latent cache (one byte per value)"))
+        out.append(Fix("--kv-dtype fp8", "halves the latent cache (one byte per value, an fp32 scale per token and layer)"))
     dcp = next((n for n in _divisors(dep.tp) if n > dep.dcp and _fits(t, d, replace(dep, dcp=n))), None)
     if dcp:
         out.append(Fix(f"--dcp {dcp}", f"each of {dcp} TP ranks keeps 1/{dcp} of every request's latent rows"))

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 from .presets import GiB
 from .shapes import DrafterShape, TargetShape, WeightFormat, ceil_div
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}  # fp8: e4m3 values with per-tensor scales (vLLM's MLA fp8 cache)
+KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+# KimiK2Cache's fp8 layout (models/kimi_k2/cache.py): e4m3 values plus one fp32 scale per token and layer.
+KV_SCALE_BYTES = {"bf16": 0, "fp8": 4}
 DEFAULT_PAGE_SIZE = 64  # KimiK2Cache's default page; also vLLM's FlashMLA block size
 DEFAULT_MEM_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 # CUDA context, NCCL buffers, CUDA-graph pools, a prefill chunk's activations: an assumption, not a
@@ -151,7 +153,8 @@ def vision_weights(t: TargetShape) -> int:
 
 
 def kv_bytes_per_token_per_layer(t: TargetShape, kv_dtype: str = "bf16") -> int:
-    return t.latent_dim * KV_DTYPE_BYTES[kv_dtype]
+    """The latent row (and its scale, fp8) of one token in one layer: 1152 B in bf16, 580 B in fp8 for K2."""
+    return t.latent_dim * KV_DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES[kv_dtype]
 
 
 def kv_bytes_per_token(t: TargetShape, kv_dtype: str = "bf16") -> int:
@@ -178,8 +181,9 @@ def tokens_for_memory(kv_bytes: int, bytes_per_token: int, page_size: int = DEFA
 
 def engine_cache_bytes(t: TargetShape, requests: int, context: int, *, tree_budget: int = 0, block_size: int = 1,
                        page_size: int = DEFAULT_PAGE_SIZE, kv_dtype: str = "bf16", dcp: int = 1) -> int:
-    """What KimiK2Cache allocates on one GPU: ``kv`` [layers, pages, page_size, D], ``block_table``
-    int32 [R, pages per request] and ``lengths`` int32 [R]; with DCP a GPU keeps 1/dcp of the tokens."""
+    """What KimiK2Cache allocates on one GPU: ``kv`` [layers, pages, page_size, D] (and fp8's
+    ``kv_scale`` [layers, pages, page_size]), ``block_table`` int32 [R, pages per request] and
+    ``lengths`` int32 [R]; with DCP a GPU keeps 1/dcp of the tokens."""
     tokens = ceil_div(cache_tokens_per_request(context, tree_budget, block_size), dcp)
     pages = ceil_div(tokens, page_size)
     return requests * (pages * page_size * kv_bytes_per_token(t, kv_dtype) + pages * 4 + 4)
