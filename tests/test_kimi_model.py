@@ -234,6 +234,86 @@ def test_taps_are_the_outputs_of_the_chosen_layers():
     assert rel_err(model.lm_head(out.last_hidden_state), logits) <= 1e-6
 
 
+# K2's window is 262,144 positions (YaRN factor 64 over 4096); these sit near 200k and at its end.
+LONG_POSITIONS = (199_990, 262_120)
+
+
+def test_logits_near_position_200k_match_transformers_deepseek_v3():
+    """A prefill at positions 199,990 ... 200,010 (and up to K2's last position, 262,143), passed as
+    transformers' position_ids, gives transformers' DeepseekV3 logits (fp32, relative error <= 1e-4).
+    The RoPE angles are fp32 products position * inv_freq in both models, and the cos/sin tables are
+    equal bit for bit: at 200k such an angle is off the exact one by up to ~8e-3 rad (fp32 spacing),
+    which both models share -- as DeepSeek's reference code and vLLM's fp32 cos/sin cache do (fp64
+    angles would move these logits by ~2e-5).  RoPE is relative, so a uniform shift of every
+    position changes the logits only through that rounding: the equal tables pin the absolute angles."""
+    model = make_model(50)
+    twin = transformers_twin(model, k2_config_dict())
+    T = 21
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(51))
+    positions = torch.tensor(LONG_POSITIONS)[:, None] + torch.arange(T)
+    assert int(positions.max()) == 262_140 < model.config.max_position_embeddings
+    cos, sin = model.model.rotary_emb(positions)
+    their_cos, their_sin = twin.model.rotary_emb(torch.zeros(1), positions)
+    half = cos.shape[-1]
+    assert torch.equal(cos, their_cos[..., :half]) and torch.equal(sin, their_sin[..., :half])
+    ours = model(ids, position_ids=positions).logits
+    theirs = twin(ids, position_ids=positions).logits
+    assert rel_err(ours, theirs) <= 1e-4
+    one_row = model(ids, position_ids=positions[:1]).logits  # [1, T] broadcast over requests, as transformers does
+    assert torch.equal(one_row[0], ours[0]) and rel_err(one_row[1], twin(ids[1:], position_ids=positions[:1]).logits[0]) <= 1e-4
+    with pytest.raises(ValueError, match="positions or position_ids"):
+        model(ids, positions, position_ids=positions)
+
+
+def test_tree_pass_and_commit_near_position_200k_match_transformers():
+    """A prefix prefilled into the paged cache at positions from 199,990 (and 262,120), a branching
+    tree verified after it, one path committed (kv_commit) and the next token decoded: every node's
+    logits, and the decoded token's, equal transformers' full forward of prefix + path at the same
+    position_ids (fp32, relative error <= 1e-4)."""
+    model = make_model(52)
+    twin = transformers_twin(model, k2_config_dict())
+    g = torch.Generator().manual_seed(53)
+    R, P = 2, 9
+    prefix = torch.randint(0, VOCAB, (R, P), generator=g)
+    start = torch.tensor(LONG_POSITIONS)[:, None]
+    cache = KimiK2Cache.for_model(model, R, 32, page_size=4, dtype=torch.float32)
+    model(prefix, cache=cache, position_ids=start + torch.arange(P), return_logits=False)
+    cache.advance(P)
+    logprobs = torch.randn(R, 3, 3, generator=g).log_softmax(-1).sort(dim=-1, descending=True).values
+    tree = ddtree_build(logprobs, torch.randint(0, VOCAB, (R, 3, 3), generator=g), prefix[:, -1].contiguous(), 7)
+    depth = tree.depths.long()
+    logits = model(tree.tokens, start + P + depth, cache, tree.visible).logits
+
+    def transformers_logits(r: int, tokens: torch.Tensor) -> torch.Tensor:
+        seq = torch.cat([prefix[r], tokens])
+        return twin(seq[None], position_ids=start[r] + torch.arange(len(seq))[None]).logits[0, P:]
+
+    parents = tree.parents.tolist()
+
+    def path_to(r: int, node: int) -> list[int]:
+        path = [node]
+        while parents[r][path[-1]] >= 0:
+            path.append(parents[r][path[-1]])
+        return path[::-1]
+
+    for r in range(R):
+        for leaf in (i for i in range(8) if i not in parents[r]):
+            path = path_to(r, leaf)
+            assert rel_err(logits[r, path], transformers_logits(r, tree.tokens[r, path])) <= 1e-4, (r, path)
+    paths = [path_to(r, int(depth[r].argmax())) for r in range(R)]  # commit root -> each tree's deepest node
+    lengths = torch.tensor([len(p) for p in paths], dtype=torch.int32)
+    indices = torch.full((R, 8), -1, dtype=torch.int32)
+    for r, p in enumerate(paths):
+        indices[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    cache.commit(indices, lengths)
+    cache.advance(lengths)
+    nxt = torch.randint(0, VOCAB, (R, 1), generator=g)
+    step = model(nxt, start + P + lengths[:, None].long(), cache, torch.ones(R, 1, 1, dtype=torch.bool)).logits[:, 0]
+    for r in range(R):
+        want = transformers_logits(r, torch.cat([tree.tokens[r, paths[r]], nxt[r]]))[-1]
+        assert rel_err(step[r], want) <= 1e-4, r
+
+
 def test_transformers_generate_greedy_equals_an_argmax_loop():
     model = make_model(26)
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(27))

@@ -320,8 +320,13 @@ class KimiK2Model(KimiK2PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KimiK2Cache] = None, visible: Optional[torch.Tensor] = None, *,
                 input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
-                plan: Optional[PassPlan] = None) -> KimiK2ModelOutput:
+                plan: Optional[PassPlan] = None, position_ids: Optional[torch.Tensor] = None) -> KimiK2ModelOutput:
         """Run the decoder over ``input_ids`` [R, T].
+
+        ``positions`` [R, T] are the RoPE positions (any up to the config's window, 262,144 for K2;
+        angles are fp32 products of position and frequency, as transformers and DeepSeek compute
+        them); ``position_ids`` is the same argument under transformers' name (one or the other),
+        and either may be [1, T] for every request, as transformers broadcasts it.
 
         Tree verify / decode (``visible`` bool [R, N, N] given; ``cache`` and ``positions``
         [R, N] required, positions = committed length + depth): node i is written at
@@ -341,6 +346,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
         steps once); None plans it here (:meth:`plan_pass`).
         """
         R, T = input_ids.shape
+        positions = _one_positions(positions, position_ids, R)
         if visible is not None:
             if cache is None or positions is None:
                 raise ValueError("KimiK2Model: a tree pass (visible given) needs a cache and positions "
@@ -424,6 +430,19 @@ class KimiK2Model(KimiK2PreTrainedModel):
         return _Prefill(cache, slots, valid if cache is not None else None, key_len, mask[:, None]), positions
 
 
+def _one_positions(positions: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                   R: int) -> Optional[torch.Tensor]:
+    """``positions`` or transformers' ``position_ids`` (refusing both), a [1, T] row expanded to R requests."""
+    if position_ids is not None:
+        if positions is not None:
+            raise ValueError("KimiK2Model: pass positions or position_ids (transformers' name for the same "
+                             "argument), not both")
+        positions = position_ids
+    if positions is not None and positions.dim() == 2 and positions.shape[0] == 1 and R > 1:
+        positions = positions.expand(R, -1)
+    return positions
+
+
 class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -441,21 +460,22 @@ class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
                 input_lengths: Optional[torch.Tensor] = None, tap_layers: Sequence[int] = (),
                 return_logits: bool = True, attention_mask: Optional[torch.Tensor] = None,
                 return_dict: bool = True, use_cache: Optional[bool] = None,
-                plan: Optional[PassPlan] = None) -> KimiK2CausalLMOutput:
+                plan: Optional[PassPlan] = None, position_ids: Optional[torch.Tensor] = None) -> KimiK2CausalLMOutput:
         """:meth:`KimiK2Model.forward` plus ``lm_head``.  ``return_logits=False`` skips the
         full-vocabulary logits (``last_hidden_state`` is what ``lm_head`` would read), for
         callers that do argmax / top-K themselves or shard the vocabulary.
 
         ``attention_mask``, ``return_dict`` and ``use_cache`` exist for transformers'
         ``generate()`` (which runs without a cache here); the mask must be all ones — pass
-        right-padded ``input_ids`` with ``input_lengths`` instead."""
+        right-padded ``input_ids`` with ``input_lengths`` instead.  ``position_ids``:
+        transformers' name for ``positions`` (one or the other)."""
         if cache is not None and not isinstance(cache, KimiK2Cache):
             raise TypeError(f"KimiK2ForCausalLM: cache must be a KimiK2Cache, got {type(cache).__name__}")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("KimiK2ForCausalLM: padded attention_mask is not supported; pass right-padded "
                              "input_ids with input_lengths")
         out = self.model(input_ids, positions, cache, visible, input_lengths=input_lengths, tap_layers=tap_layers,
-                         plan=plan)
+                         plan=plan, position_ids=position_ids)
         logits = self.lm_head(out.last_hidden_state) if return_logits else None
         return KimiK2CausalLMOutput(logits, out.last_hidden_state, out.taps)
 
