@@ -9,9 +9,9 @@ left out (a shape outside its contract, a hooked module, a DTensor weight) — o
 reference forwards (``docs/design.md``); :mod:`.fused` runs the fused forms a plan selects.
 
 A generation session plans each of its step shapes when it is built (``print(session.plan)``); a
-model called without a plan plans that pass on the host when it is called (a prefill, eager use).  Tests assert on plans
-and pass them explicitly to run a path (``plan_pass(..., target=Target("cuda", kernels=ALL))``
-runs every fused form on the CPU, through the ops' reference kernels).
+model called without a plan plans that pass on the host when it is called (a prefill, eager use).
+Tests assert on plans and pass them explicitly to run a path (``plan_pass(..., target=Target("cpu",
+kernels=ALL))`` runs the fused forms on the CPU, through the ops' reference kernels).
 
 Field values:
 
