@@ -45,7 +45,7 @@ import torch
 from torch_kdtree.models.dflash import random_drafter
 from torch_kdtree.models.generation import GenerationSession, OracleDrafter
 
-from .conftest import compile_step_option, hbm_ceiling, record, requires_cuda
+from .conftest import compile_step_option, hbm_ceiling, needs_int4, record, requires_cuda, requires_mla
 from .floor import routed_experts_of_step, step_bytes
 
 PROMPT = 128
@@ -70,15 +70,6 @@ def run_options(request) -> RunOptions:
                       hf_tokens=get("--bench-hf-tokens"), assisted_tokens=get("--bench-assisted-tokens"),
                       budgets=get("--bench-step-budgets"))
 
-
-def _has_cuda_kernel(op: str) -> bool:
-    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
-
-
-requires_mla = pytest.mark.skipif(not _has_cuda_kernel("kdtree::mla_tree_attention"),
-                                  reason="needs the kdtree::mla_tree_attention CUDA kernel")
-needs_int4 = pytest.mark.skipif(not (_has_cuda_kernel("kdtree::int4_moe") and _has_cuda_kernel("kdtree::int4_repack")),
-                                reason="needs the kdtree::int4_moe / int4_repack CUDA kernels")
 
 CONFIGS = {
     "2p2b": {"hidden_size": 2048, "num_hidden_layers": 8, "first_k_dense_replace": 1, "intermediate_size": 6144,

@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .conftest import cuda_time_us, record, requires_cuda
+from .conftest import cuda_time_us, needs_int4, record, requires_cuda, requires_mla
 from .tp_projection import ASSUMED_ACCEPT, DRAFTER_LAYERS, K2_LAYERS, LINKS, collectives_per_step, project, \
     scale_to_layers
 from .tp_rank import K26_DFLASH, fake_gathers, fake_world, k2_global_config, rank_drafter, rank_target
@@ -55,16 +55,6 @@ PROMPT, MAX_NEW = 128, 512  # as bench_generate (cache reach <= 1024 keys: mla_d
 STEPS, ROUNDS = 16, 5
 WORLD = 8
 RESULTS: dict = {}
-
-
-def _has_cuda_kernel(op: str) -> bool:
-    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
-
-
-requires_mla = pytest.mark.skipif(not _has_cuda_kernel("kdtree::mla_tree_attention"),
-                                  reason="needs the kdtree::mla_tree_attention CUDA kernel")
-needs_int4 = pytest.mark.skipif(not (_has_cuda_kernel("kdtree::int4_moe") and _has_cuda_kernel("kdtree::int4_repack")),
-                                reason="needs the kdtree::int4_moe / int4_repack CUDA kernels")
 
 
 @pytest.fixture

@@ -13,6 +13,16 @@ HAS_CUDA = torch.cuda.is_available() and torch_kdtree.build_info()["cuda_kernels
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="benchmarks need a CUDA device and the compiled kernels")
 
 
+def _has_cuda_kernel(op: str) -> bool:
+    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+
+
+requires_mla = pytest.mark.skipif(not _has_cuda_kernel("kdtree::mla_tree_attention"),
+                                  reason="needs the kdtree::mla_tree_attention CUDA kernel")
+needs_int4 = pytest.mark.skipif(not (_has_cuda_kernel("kdtree::int4_moe") and _has_cuda_kernel("kdtree::int4_repack")),
+                                reason="needs the kdtree::int4_moe / int4_repack CUDA kernels")
+
+
 def cuda_time_us(fn, *, calls_per_graph: int = 20, replays: int = 10) -> float:
     """Median microseconds per call of `fn`, captured `calls_per_graph` times in one CUDA graph
     (so launch overhead is the GPU's, not Python's) and replayed `replays` times."""
