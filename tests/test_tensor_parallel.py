@@ -53,6 +53,7 @@ def test_tensor_parallel_model_equals_the_single_process_model(world, tmp_path, 
         fwd, gen, load, choice = rep["forward"], rep["generate"], rep["int4_load"], rep["token_choice"]
         assert fwd["prefill_rel_err"] <= 1e-5 and fwd["tree_rel_err"] <= 1e-5, (r, fwd)
         assert fwd["compiled_all_reduces"] == [2 * fwd["layers"]], (r, fwd["compiled_all_reduces"])
+        assert fwd["dtensor_equal"] and fwd["dtensor_placements"] == ["S(0)", "S(1)", "S(0)", "S(2)", "R"], (r, fwd)
         assert "all_reduce" in fwd["plan"]
         assert gen["ar_equal"] and gen["dd_equal"] and gen["auto_equal"] and gen["dd_equals_ar"], (r, gen)
         assert load["int4"] and load["ar_equal"] and load["dd_equal"] and load["logits_rel_err"] <= 1e-5, (r, load)

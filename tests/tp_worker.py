@@ -79,6 +79,12 @@ def scenario_forward(report, mesh, tp_cls):
     got, out = gathered_logits(tp_model, tp, ids)
     report["prefill_rel_err"] = rel_err(got, want)
     report["hidden_digest"] = digest(out.last_hidden_state)
+    # the recorded placements rebuild the global tensors (DTensor.from_local, then gathered)
+    whole, local = target.state_dict(), tp_model.state_dict()
+    names = ["lm_head.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.q_b_proj.weight",
+             "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.gate.weight"]
+    report["dtensor_placements"] = [str(tp.placement(n)) for n in names]
+    report["dtensor_equal"] = all(torch.equal(tp.dtensor(n, local[n]).full_tensor(), whole[n]) for n in names)
     # a tree pass (N = 4, branching) over a prefilled cache
     N = 4
     visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
