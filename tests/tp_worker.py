@@ -120,19 +120,27 @@ def scenario_forward(report, mesh, tp_cls):
     report["plan"] = str(tp_model.model.plan_pass(2, 1, tree=True, cache=cache))
 
 
-def scenario_generate(report, mesh, tp_cls):
+def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
     """Greedy AR and DDTree (a DFlash drafter, sharded too) equal the single-process tokens; the
     auto budget planner's choices are rank 0's on every rank."""
+    from torch_kdtree.models import DFlashDraftModel
     from torch_kdtree.models.parallel import parallelize
 
     target, _ = tiny_pair(4)
     drafter = drafter_for(target, 4)
+    if dist.get_rank() == 0:
+        drafter.save_pretrained(drafter_dir)
+    dist.barrier()
     ids, mask = prompts(target.config.vocab_size)
     want_ar = target.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
     want_dd = target.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None,
                               drafter=copy.deepcopy(drafter), tree_budget=6)
     tp_target = parallelize(copy.deepcopy(target), mesh)
     tp_drafter = parallelize(copy.deepcopy(drafter), mesh)
+    # the drafter loaded from its checkpoint with device_mesh: the same shard as parallelize's
+    loaded = DFlashDraftModel.from_pretrained(drafter_dir, device_mesh=mesh)
+    report["drafter_load_equal"] = sorted(loaded.state_dict()) == sorted(tp_drafter.state_dict()) and all(
+        torch.equal(v, tp_drafter.state_dict()[k]) for k, v in loaded.state_dict().items())
     ar = tp_target.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
     dd = tp_target.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, drafter=tp_drafter,
                             tree_budget=6)
@@ -259,7 +267,7 @@ def run(rank: int, world: int, port: int, out: str, names: list, checkpoint: str
             report = reports[name] = {}
             try:
                 with torch.no_grad():
-                    args = (checkpoint,) if name == "int4_load" else ()
+                    args = {"int4_load": (checkpoint,), "generate": (os.path.join(out, "drafter"),)}.get(name, ())
                     SCENARIOS[name](report, mesh, TensorParallel, *args)
             except Exception:  # recorded; the test fails on it
                 report["error"] = traceback.format_exc()

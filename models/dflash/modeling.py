@@ -361,13 +361,15 @@ class DFlashDraftModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, config: DFlashConfig | None = None,
-                        dtype: torch.dtype | None = None, device=None) -> "DFlashDraftModel":
+                        dtype: torch.dtype | None = None, device=None, device_mesh=None) -> "DFlashDraftModel":
         """Load a DFlash checkpoint directory (``config.json`` + ``model.safetensors``), strictly:
         missing, unexpected, mis-shaped or wrong-dtype tensors raise an error naming them, a
         truncated or corrupt file a ``CheckpointError`` naming the file.
 
         ``config`` replaces the file's config (e.g. to override ``rope_parameters
         ["attention_factor"]``); ``dtype`` casts after the checks (default: the file's dtype).
+        ``device_mesh`` (1-D): this rank's tensor-parallel shard (models/parallel.py), reading only
+        its slices of the sharded tensors, after checking the global shapes.
         """
         config = copy.deepcopy(config) if config is not None else DFlashConfig.from_pretrained(path)
         file = os.path.join(path, WEIGHTS_NAME)
@@ -404,9 +406,15 @@ class DFlashDraftModel(nn.Module):
                                     f"(the config's dtype, one floating dtype for every tensor)")
             if problems:
                 raise ValueError(f"DFlash: checkpoint {path} does not match its config: " + "; ".join(problems))
-            state = {key: f.get_tensor(name) for name, key in names.items()}
-        with torch.device("meta"):
-            model = cls(config, dtype=file_dtype)
+            with torch.device("meta"):
+                model = cls(config, dtype=file_dtype)
+            tp = None
+            if device_mesh is not None:
+                from ..parallel import parallelize
+
+                tp = parallelize(model, device_mesh).tp
+            state = {key: found[key][tp.index(key, tuple(expected[key]))] if tp is not None and key in tp.shard_dims
+                     else f.get_tensor(name) for name, key in names.items()}
         model.load_state_dict(state, strict=True, assign=True)
         if dtype is not None or device is not None:
             model.to(device=device, dtype=dtype)
