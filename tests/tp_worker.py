@@ -151,6 +151,11 @@ def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
     report["dd_equals_ar"] = bool(torch.equal(want_dd, want_ar))
     want_auto = target.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
     report["auto_equal"] = bool(torch.equal(auto.sequences, want_auto))
+    # an fp8 latent cache (replicated like the bf16 one): the single-process fp8 tokens
+    fp8 = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=None, kv_cache_dtype="fp8")
+    want_fp8 = target.generate(ids, drafter=copy.deepcopy(drafter), tree_budget=6, **fp8)
+    report["fp8_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **fp8),
+                                           want_fp8))
     report["auto_budgets"] = list(auto.budgets)
 
 
