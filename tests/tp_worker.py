@@ -146,6 +146,12 @@ def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
                             tree_budget=6)
     auto = tp_target.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, drafter=tp_drafter,
                               tree_budget="auto", return_dict_in_generate=True)
+    # the whole SPMD step (sharded token choice, gathered draft top-K) traced with fullgraph=True
+    torch._dynamo.reset()
+    compiled = tp_target.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, drafter=tp_drafter,
+                                  tree_budget=6, compile_step="aot_eager")
+    torch._dynamo.reset()
+    report["compiled_dd_equal"] = bool(torch.equal(compiled, want_dd))
     report["ar_equal"] = bool(torch.equal(ar, want_ar))
     report["dd_equal"] = bool(torch.equal(dd, want_dd))
     report["dd_equals_ar"] = bool(torch.equal(want_dd, want_ar))
