@@ -104,7 +104,8 @@ def bf16_matmul_tflops() -> float:
     return 2 * n**3 / (us * 1e-6) / 1e12
 
 
-def _count(raw: str) -> int:
+def positive_int(raw: str) -> int:
+    """An argparse / pytest option type: a positive integer, else a usage error."""
     try:
         n = int(raw)
     except ValueError:
@@ -137,11 +138,11 @@ def compile_step_option(raw, default):
 def pytest_addoption(parser):
     """The benchmarks' run parameters (each bench_*.py file's docstring says which it reads)."""
     group = parser.getgroup("bench", "torch_kdtree benchmarks (bench/)")
-    group.addoption("--bench-tokens", type=_count, default=2000, metavar="N",
+    group.addoption("--bench-tokens", type=positive_int, default=2000, metavar="N",
                     help="tokens per sustained generation (bench_generate; default 2000)")
-    group.addoption("--bench-hf-tokens", type=_count, default=128, metavar="N",
+    group.addoption("--bench-hf-tokens", type=positive_int, default=128, metavar="N",
                     help="tokens of transformers' eager generate (bench_generate; default 128)")
-    group.addoption("--bench-assisted-tokens", type=_count, default=64, metavar="N",
+    group.addoption("--bench-assisted-tokens", type=positive_int, default=64, metavar="N",
                     help="tokens of transformers' assisted generate (bench_generate; default 64)")
     group.addoption("--bench-compile", default=None, metavar="0|1|combo|tuned",
                     help="how the generation steps are compiled: 0 eager ops in the graphs, 1 inductor, "

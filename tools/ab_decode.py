@@ -17,6 +17,7 @@ import json
 
 from bench.bench_generate import CONFIGS, target
 from bench.bench_kimi_decode import NEW, _prompt
+from bench.conftest import positive_int
 
 
 def timed_generates(model, ids, reps: int, new: int = NEW, **kw) -> tuple[list[float], list[str]]:
@@ -30,16 +31,6 @@ def timed_generates(model, ids, reps: int, new: int = NEW, **kw) -> tuple[list[f
         times.append(out.step_seconds / new * 1e3)
         hashes.add(hashlib.sha1(out.sequences.cpu().numpy().tobytes()).hexdigest()[:12])
     return sorted(times), sorted(hashes)
-
-
-def _reps(raw: str) -> int:
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {raw!r}")
-    return n
 
 
 def _options(raw: str) -> dict:
@@ -58,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("name", nargs="?", default="2p2b", choices=sorted(CONFIGS),
                    help="bench_generate's configuration (default 2p2b)")
     p.add_argument("--label", default="-", help="a word printed on the result line (A, B, ...)")
-    p.add_argument("--reps", type=_reps, default=5, help="timed generates after the warm-up (default 5)")
+    p.add_argument("--reps", type=positive_int, default=5, help="timed generates after the warm-up (default 5)")
     p.add_argument("--opts", type=_options, default={}, metavar="JSON",
                    help="inductor options added to {\"combo_kernels\": true}")
     return p.parse_args(argv)
