@@ -95,6 +95,48 @@ def test_greedy_ddtree_equals_autoregressive_on_the_trained_toy_pair(toy_run):
         assert torch.equal(tree, ar), budget
 
 
+def test_metrics_hold_the_acceptance_sweep_and_the_quantisation_cost(toy_run):
+    out, metrics, _, _ = toy_run
+    sweep = json.loads((out / "metrics.json").read_text())["acceptance"]
+    assert sweep["budgets"] == list(recipes.TOY.sweep_budgets)
+    assert sorted(int(b) for b in sweep["greedy_mean_accept_length"]) == sorted(recipes.TOY.sweep_budgets)
+    for a in [*sweep["greedy_mean_accept_length"].values(), sweep["sampled_mean_accept_length"]]:
+        assert 1.0 <= a <= recipes.TOY.drafter["block_size"]
+    assert 0.0 < sweep["greedy_distinct_4gram_ratio"] <= 1.0 and 0.0 < sweep["sampled_distinct_4gram_ratio"] <= 1.0
+    held = metrics["heldout"]
+    # the INT4 change is measured against the same (QAT) weights unquantised, the other against pre-QAT bf16
+    want = held["int4"]["perplexity"] / held["bf16_after_qat"]["perplexity"] - 1
+    assert held["int4_perplexity_change"] == pytest.approx(want)
+    assert held["int4_vs_pretrain_perplexity_change"] == pytest.approx(
+        held["int4"]["perplexity"] / held["bf16"]["perplexity"] - 1)
+    card = (out / "README.md").read_text()
+    assert "greedy mean acceptance length, B = 4" in card and "sampled (T = 1)" in card
+
+
+def test_distinct_ngram_ratio_counts_repeats():
+    from training.evaluate import distinct_ngram_ratio
+
+    # 1 2 3 4 1 2 3 4: 5 four-grams, (1234) twice -> 4 distinct; a row of one repeated token: 1 distinct of 3
+    tokens = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7, 8, 9]])
+    assert distinct_ngram_ratio(tokens[:1]) == pytest.approx(4 / 5)
+    assert distinct_ngram_ratio(tokens[1:]) == pytest.approx(3 / 5)  # 7777 x3, 7778, 7789
+    assert distinct_ngram_ratio(tokens) == pytest.approx((4 / 5 + 3 / 5) / 2)
+    assert distinct_ngram_ratio(torch.arange(10)[None]) == 1.0
+
+
+def test_smoke_recipe_keeps_every_full_size_and_cuts_the_steps():
+    from training.run import main, smoke
+
+    s, full = smoke(recipes.FULL), recipes.FULL
+    assert s.target == full.target and s.drafter == full.drafter and s.vocab_size == full.vocab_size
+    assert (s.seq_len, s.batch_size, s.generate_batch, s.corpus_bytes) == \
+        (full.seq_len, full.batch_size, full.generate_batch, full.corpus_bytes)
+    assert s.continuations == full.generate_batch  # one generate call of the full batch
+    assert s.steps + s.qat_steps + s.drafter_steps < 10
+    with pytest.raises(SystemExit):
+        main(["--toy", "--smoke"])
+
+
 def test_load_default_pair_names_the_command_when_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m training.run --out models/default_pair"):
         load_default_pair(path=tmp_path / "nowhere")

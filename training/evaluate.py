@@ -1,4 +1,7 @@
-"""Held-out numbers: bits per byte, expert load, and the DDTree-against-autoregressive check.
+"""Held-out numbers: bits per byte, expert load, the DDTree-against-autoregressive check and the
+acceptance sweep (mean acceptance length by tree budget, greedy and sampled, with the
+distinct-4-gram ratio of the text it was measured on: a drafter that agrees with a target stuck in
+a loop would show high acceptance and a low ratio).
 
 Bits per byte: the summed next-token negative log-likelihood (nats) of every held-out text
 token, divided by ln 2 and by the bytes those tokens stand for (byte-level BPE: each token is a
@@ -90,4 +93,40 @@ def ddtree_check(target, drafter, prompts: torch.Tensor, new_tokens: int, budget
             "device": str(target.device), "dtype": str(target.dtype)}
 
 
-__all__ = ["bits_per_byte", "bf16_copy", "ddtree_check"]
+def distinct_ngram_ratio(tokens: torch.Tensor, n: int = 4) -> float:
+    """Mean over rows of ``tokens`` [R, T] of distinct n-grams / n-grams (1.0: no n-gram repeats)."""
+    ratios = []
+    for row in tokens.tolist():
+        grams = [tuple(row[i: i + n]) for i in range(len(row) - n + 1)]
+        if grams:
+            ratios.append(len(set(grams)) / len(grams))
+    return sum(ratios) / len(ratios) if ratios else float("nan")
+
+
+@torch.no_grad()
+def acceptance_sweep(target, drafter, prompts: torch.Tensor, new_tokens: int, budgets, *, sampled_budget: int,
+                     seed: int) -> dict:
+    """Mean acceptance length of DDTree on ``prompts`` [R, P] for ``new_tokens`` new tokens: greedy at
+    each of ``budgets``, and sampled at temperature 1 (no top-k / top-p) at ``sampled_budget``; with
+    the distinct-4-gram ratio of the greedy and of the sampled continuations.  Eager steps (CUDA
+    graphs on a GPU, no inductor compile), as :func:`ddtree_check`."""
+    ids = prompts.to(target.device)
+    kwargs = {"max_new_tokens": new_tokens, "eos_token_id": None, "compile_step": False,
+              "return_dict_in_generate": True, "drafter": drafter}
+    greedy, text = {}, None
+    for b in budgets:
+        out = target.generate(ids, tree_budget=int(b), **kwargs)
+        greedy[int(b)] = out.mean_accept_length
+        if text is None:
+            text = out.sequences[:, ids.shape[1]:]
+    torch.manual_seed(seed)
+    sampled = target.generate(ids, tree_budget=int(sampled_budget), do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, **kwargs)
+    return {"budgets": [int(b) for b in budgets], "greedy_mean_accept_length": greedy,
+            "greedy_distinct_4gram_ratio": distinct_ngram_ratio(text.cpu()),
+            "sampled_budget": int(sampled_budget), "sampled_mean_accept_length": sampled.mean_accept_length,
+            "sampled_distinct_4gram_ratio": distinct_ngram_ratio(sampled.sequences[:, ids.shape[1]:].cpu()),
+            "prompts": ids.shape[0], "new_tokens": new_tokens}
+
+
+__all__ = ["bits_per_byte", "bf16_copy", "ddtree_check", "acceptance_sweep", "distinct_ngram_ratio"]

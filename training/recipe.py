@@ -77,6 +77,9 @@ class Recipe:
     check_prompts: int                # held-out prompts for the DDTree == AR check
     check_new_tokens: int
     check_budget: int
+    # the acceptance sweep (on the check prompts, check_new_tokens each): greedy at these budgets, sampled at
+    # check_budget
+    sweep_budgets: tuple = (4, 8, 16, 32, 64)
     log_every: int = 50
     notes: list[str] = field(default_factory=list)
 
@@ -114,7 +117,7 @@ TOY = Recipe(
     prompt_len=16, continuation_len=24, continuations=8, greedy_fraction=0.5, generate_batch=8,
     drafter_batch=8, anchors=8, drafter_steps=20, drafter_minutes=1.0, drafter_lr=5e-3, loss_decay_gamma=4.0,
     eval_tokens=4096, eval_batch=16, eval_continuations=4, check_prompts=2, check_new_tokens=16, check_budget=8,
-    log_every=10,
+    sweep_budgets=(4, 8), log_every=10,
 )
 
 RECIPES = {"full": FULL, "toy": TOY}

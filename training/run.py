@@ -82,7 +82,7 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     from .card import write_card
     from .data import WindowSampler, encode_files, prompt_windows
     from .drafter import agreement, build_drafter, continuations, target_taps, train_drafter
-    from .evaluate import bf16_copy, bits_per_byte, ddtree_check
+    from .evaluate import acceptance_sweep, bf16_copy, bits_per_byte, ddtree_check
     from .export import directory_bytes, write_drafter, write_target
     from .target import build_target, train
 
@@ -130,15 +130,23 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
                 weight_decay=recipe.weight_decay, bias_update_speed=recipe.bias_update_speed, experts=experts,
                 qat=True, log=log, log_every=recipe.log_every, label="qat")
 
+    # the same (QAT) weights unquantised: the INT4 export is judged against these, so its perplexity
+    # change is the quantisation's cost alone, not that plus QAT's extra training
+    held["bf16_after_qat"] = bits_per_byte(bf16_copy(model), scored_stream, byte_lengths, recipe.seq_len,
+                                           recipe.eval_batch)
+    log(f"  held-out bf16 after QAT (unquantised): {held['bf16_after_qat']['bits_per_byte']:.4f} bits/byte")
+
     clock.phase("INT4 export and reload")
     write_target(model, recipe, tokenizer, work / "target")
     del model, batches
     target = KimiK2ForCausalLM.from_pretrained(work / "target", dtype=dtype, device=device, progress=False)
     target.requires_grad_(False)
     held["int4"] = bits_per_byte(target, scored_stream, byte_lengths, recipe.seq_len, recipe.eval_batch)
-    ratio = held["int4"]["perplexity"] / held["bf16"]["perplexity"] - 1
+    ratio = held["int4"]["perplexity"] / held["bf16_after_qat"]["perplexity"] - 1
+    ratio_pre = held["int4"]["perplexity"] / held["bf16"]["perplexity"] - 1
     log(f"  held-out INT4: {held['int4']['bits_per_byte']:.4f} bits/byte (perplexity {100 * ratio:+.2f} % against "
-        f"bf16), expert load min/mean {held['int4']['load']['worst_min_over_mean']:.3f}")
+        f"the same weights in bf16, {100 * ratio_pre:+.2f} % against bf16 before QAT), expert load min/mean "
+        f"{held['int4']['load']['worst_min_over_mean']:.3f}")
 
     clock.phase("continuations for the drafter")
     prompts = prompt_windows(train_stream, recipe.prompt_len, recipe.continuations, seed)
@@ -165,6 +173,13 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     check = ddtree_check(target, loaded, check_prompts, recipe.check_new_tokens, recipe.check_budget)
     log(f"  greedy DDTree (B = {check['budget']}) == AR: {check['equal']}, mean acceptance "
         f"{check['mean_accept_length']:.2f}, wall-clock speed-up {check['speedup_wall']:.2f}x")
+    sweep = acceptance_sweep(target, loaded, check_prompts, recipe.check_new_tokens, recipe.sweep_budgets,
+                             sampled_budget=recipe.check_budget, seed=seed + 3)
+    log("  mean acceptance, greedy: " + ", ".join(f"B = {b}: {a:.2f}" for b, a in
+                                                   sweep["greedy_mean_accept_length"].items())
+        + f" (distinct 4-grams {sweep['greedy_distinct_4gram_ratio']:.3f}); sampled at T = 1, B = "
+        f"{sweep['sampled_budget']}: {sweep['sampled_mean_accept_length']:.2f} (distinct 4-grams "
+        f"{sweep['sampled_distinct_4gram_ratio']:.3f})")
 
     phases = clock.done()
     metrics = {
@@ -173,7 +188,8 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
         "tokenizer": {"vocab_size": len(tokenizer), "special_ids": special,
                       "train_tokens": int(train_stream.numel()), "heldout_tokens": int(heldout_stream.numel())},
         "pretrain": _summary(pretrain), "qat": _summary(qat), "drafter_training": _summary(drafter_log),
-        "heldout": {**held, "int4_perplexity_change": ratio}, "drafter": agree, "ddtree_check": check,
+        "heldout": {**held, "int4_perplexity_change": ratio, "int4_vs_pretrain_perplexity_change": ratio_pre},
+        "drafter": agree, "ddtree_check": check, "acceptance": sweep,
         "checkpoint_bytes": {"target": directory_bytes(work / "target"), "drafter": directory_bytes(work / "drafter"),
                              "estimated_tensors": checkpoint_bytes(recipe)},
         "phase_seconds": phases,
@@ -183,6 +199,15 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     _publish(work, out)
     log(f"[{phases['total']:7.1f} s] wrote {out}/ ({', '.join(OUTPUTS)})")
     return metrics
+
+
+def smoke(recipe):
+    """``recipe``'s sizes with a few steps per phase (``--smoke``): every shape of a real run (the
+    models, the whole corpus and tokenizer, one generate call of the full batch), not its length."""
+    return recipe.replace(name=f"{recipe.name}-smoke", steps=3, minutes=5.0, warmup_steps=1, qat_steps=2,
+                          qat_minutes=5.0, continuations=recipe.generate_batch, drafter_steps=3, drafter_minutes=5.0,
+                          eval_tokens=16 * recipe.seq_len, eval_continuations=8, check_prompts=1, check_new_tokens=32,
+                          log_every=1)
 
 
 def _summary(log: dict) -> dict:
@@ -220,6 +245,9 @@ def main(argv=None) -> dict:
                                                 "with --toy, so a toy run never replaces the shipped pair)")
     ap.add_argument("--device", default="auto", help="cuda, cpu, cuda:N or auto (cuda when available)")
     ap.add_argument("--toy", action="store_true", help="the toy recipe: a corpus subset, tiny models, a few steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the full recipe's sizes (models, corpus, tokenizer, generate batch) with a few steps per "
+                         "phase: the whole pipeline end to end in minutes, to check it before a GPU run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", choices=("looped", "gathered"), default="looped",
                     help="training form of the routed experts (target.training_plan)")
@@ -245,12 +273,16 @@ def main(argv=None) -> dict:
         ap.error("--device cuda: no CUDA device is available (use --device cpu)")
     if args.threads is not None or args.toy:
         torch.set_num_threads(args.threads or 1)
+    if args.toy and args.smoke:
+        ap.error("--toy and --smoke are exclusive")
     recipe = RECIPES["toy" if args.toy else "full"]
+    if args.smoke:
+        recipe = smoke(recipe)
     if args.steps is not None:
         recipe = recipe.replace(steps=args.steps)
     if args.minutes is not None:
         recipe = recipe.replace(minutes=args.minutes)
-    out = args.out or ("build/toy_pair" if args.toy else "models/default_pair")
+    out = args.out or ("build/toy_pair" if args.toy else "build/smoke_pair" if args.smoke else "models/default_pair")
     return run(recipe, out, device, seed=args.seed, experts=args.experts)
 
 
