@@ -202,6 +202,32 @@ def test_generation_session_allocation_within_2_percent(kv_dtype):
     assert abs(predicted - actual) <= 0.02 * actual
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (issue 49's H200 line)")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("requests, context, budget, block", [(1, 200_000, 0, 1), (2, 131_072, 16, 8)])
+def test_k2_slice_cache_on_the_gpu_within_2_percent_of_the_planner(requests, context, budget, block, kv_dtype):
+    """What the CUDA caching allocator hands KimiK2Cache for k2_slice at long contexts (device bytes,
+    its rounding included), against the planner's prediction."""
+    from bench.bench_generate import config_dict
+    from torch_kdtree.models.kimi_k2 import KimiK2Cache, KimiK2Config
+
+    config = config_dict("k2_slice")
+    capacity = cache_tokens_per_request(context, budget, block)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = KimiK2Cache.for_model(KimiK2Config.from_dict(config), requests, capacity, page_size=64,
+                                  dtype=torch.bfloat16, device="cuda", kv_cache_dtype=kv_dtype)
+    torch.cuda.synchronize()
+    actual = torch.cuda.memory_allocated() - before
+    t = TargetShape.from_config(config)
+    predicted = engine_cache_bytes(t, requests, context, tree_budget=budget, block_size=block, page_size=64,
+                                   kv_dtype=kv_dtype)
+    print(f"k2_slice on {torch.cuda.get_device_name()} {kv_dtype} R={requests} context={context}: planner "
+          f"{predicted:,} B, allocated {actual:,} B ({100 * (predicted / actual - 1):+.3f} %)")
+    assert abs(predicted - actual) <= 0.02 * actual
+    del cache
+
+
 def test_k2_slice_on_an_h200_longest_context_is_the_largest_cache_that_fits():
     """k2_slice alone on one H200: the planner's longest context is a KimiK2Cache that fits the pool
     left after weights and overhead, and one page more would not."""
