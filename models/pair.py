@@ -43,4 +43,21 @@ def load_default_pair(device=None, dtype: torch.dtype | None = None, *, path: st
     return target, drafter, tokenizer
 
 
-__all__ = ["load_default_pair", "DEFAULT_PAIR_DIR", "CREATE_COMMAND"]
+def default_prompts(path: str | Path | None = None) -> list[str]:
+    """The held-out code prompts ``python -m training.run`` wrote beside the pair (``prompts.json``:
+    a ``def`` of a held-out standard-library file and the lines after it); [] when there are none."""
+    import json
+
+    root = Path(path) if path is not None else DEFAULT_PAIR_DIR
+    file = root / "prompts.json"
+    if not file.is_file():
+        return []
+    return [p["text"] for p in json.loads(file.read_text(encoding="utf-8"))["prompts"]]
+
+
+def has_default_pair(path: str | Path | None = None) -> bool:
+    root = Path(path) if path is not None else DEFAULT_PAIR_DIR
+    return all((root / part / "config.json").is_file() for part in ("target", "drafter"))
+
+
+__all__ = ["load_default_pair", "default_prompts", "has_default_pair", "DEFAULT_PAIR_DIR", "CREATE_COMMAND"]

@@ -22,3 +22,48 @@ def test_bad_options_are_argparse_errors(argv, what, capsys):
     with pytest.raises(SystemExit) as e:
         demo.main(argv)
     assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def toy_pair(tmp_path_factory):
+    """A pair written by the training pipeline (toy recipe, CPU, seconds): the main job's trained path."""
+    import torch
+
+    from training import recipe
+    from training.run import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("demo") / "pair"
+        run(recipe.TOY, out, "cpu", log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_demo_on_a_trained_pair_decodes_held_out_code(toy_pair, capsys):
+    import json
+
+    demo.main(["--pair", str(toy_pair), "--max-new-tokens", "12", "--batch", "2"])
+    out = capsys.readouterr().out
+    first = json.loads((toy_pair / "prompts.json").read_text())["prompts"][0]["text"]
+    assert f"trained: {toy_pair}" in out
+    assert first.splitlines()[0] in out  # the prompt, decoded by the pair's tokenizer
+    assert "--- completion (12 tokens)" in out and "DDTree / AR" in out
+    assert "DDTree output == autoregressive output: True" in out
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["--pair", "/nonexistent/pair"], "--pair: expected 'auto', 'random' or a directory with target/ and drafter/"),
+])
+def test_bad_pair_is_an_argparse_error(argv, what, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_block_size_belongs_to_the_trained_drafter(toy_pair, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--pair", str(toy_pair), "--block-size", "4"])
+    assert e.value.code == 2 and "a trained drafter has its own block size" in capsys.readouterr().err

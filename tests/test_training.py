@@ -236,3 +236,17 @@ def test_full_recipe_is_k2_shaped_and_fits_25_mb():
         model = KimiK2ForCausalLM(target_config(full, full.vocab_size))
     counts = recipes.parameter_counts(full)
     assert sum(p.numel() for p in model.parameters()) == counts["routed_experts"] + counts["target_other"]
+
+
+def test_demo_prompts_start_at_a_def_and_end_at_a_line_end():
+    from training.corpus import SourceFile, demo_prompts
+
+    body = "".join(f"    x{i} = {i}\n" for i in range(30))
+    files = [SourceFile("b.py", "import os\n\ndef f(a):\n" + body),
+             SourceFile("a.py", "class C:\n    def m(self):\n" + body + "        def deep():\n"),
+             SourceFile("c.py", "def short():\n    pass\n")]  # too short for a prompt
+    got = demo_prompts(files, count=5, chars=100)
+    assert [(p["file"], p["line"]) for p in got] == [("a.py", 2), ("b.py", 3)]  # path order
+    for p in got:
+        assert p["text"].lstrip().startswith("def ") and p["text"].endswith("\n") and len(p["text"]) >= 100
+        assert len(p["text"]) < 100 + 20  # cut at the first line end past 100 characters

@@ -1,11 +1,16 @@
 """The main job: DDTree generation on the embedded default model, against autoregressive decoding.
 
-The default pair is built deterministically on the fly (models/generation/tiny.py): a tiny
-random Kimi K2 target (K2's MLA latent row, one dense and one MoE layer) and a random DFlash
-drafter tapping its layers — random tiny models until a trained pair exists.  A random drafter
-is rarely right, so its mean acceptance is close to 1 and DDTree is slower than autoregressive
-decoding here; the point is that the outputs are identical.  ``--drafter oracle`` shows the
-other end: a drafter that knows the target's greedy continuation with ``--accuracy``.
+With a trained pair (``models/default_pair/``, written by ``python -m training.run``; or ``--pair
+DIR``) the target continues held-out Python code prompts (``prompts.json`` beside the pair): the
+decoded completions, the mean acceptance length, DDTree and autoregressive tokens/s (wall clock
+and inside the decoding steps) and whether the two outputs are identical.
+
+Without one (``--pair random``, or when no trained pair is installed) the pair is built
+deterministically on the fly (models/generation/tiny.py): a tiny random Kimi K2 target (K2's MLA
+latent row, one dense and one MoE layer) and a random DFlash drafter tapping its layers.  A random
+drafter is rarely right, so its mean acceptance is close to 1 and DDTree is slower than
+autoregressive decoding there; the point is that the outputs are identical.  ``--drafter oracle``
+shows the other end: a drafter that knows the target's greedy continuation with ``--accuracy``.
 
 Runs on CUDA (bf16, CUDA graphs) when a GPU and the kernels are present, else on the CPU (fp32).
 """
@@ -59,16 +64,67 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected 'auto' or an int in [1, 1024], got {text!r}") from None
 
 
-def main(argv=None) -> None:
-    from torch_kdtree.models.generation import OracleDrafter  # the models import transformers: on use only
+def _parameters(model) -> int:
+    """Parameters, INT4 routed experts included (stored as packed buffers: 8 weights per int32)."""
+    n = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if getattr(m, "is_int4", False):
+            n += 8 * (m.w13_qweight.numel() + m.w2_qweight.numel())
+    return n
+
+
+def _random_pair(args, device, dtype):
     from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 8} if device == "cuda" else {}
+    target = tiny_target(args.seed, **heads).to(device, dtype)
+    drafter = tiny_drafter(target, seed=args.seed + 1, block_size=args.block_size or 4).to(device, dtype)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, target.config.vocab_size, (5 + 3 * r,), generator=g) for r in range(args.batch)]
+    return target, drafter, None, prompts, "random"
+
+
+def _trained_pair(args, path, device, dtype):
+    from torch_kdtree.models.pair import default_prompts, load_default_pair
+
+    target, drafter, tokenizer = load_default_pair(device, dtype, path=path)
+    texts = default_prompts(path)
+    if not texts:
+        raise SystemExit(f"{path}: no prompts.json beside the pair (python -m training.run writes it)")
+    prompts = [torch.tensor(tokenizer(texts[r % len(texts)], add_special_tokens=False)["input_ids"])
+               for r in range(args.batch)]
+    bos = tokenizer.bos_token_id
+    if bos is not None:  # training saw every file as <bos> text <eos>
+        prompts = [torch.cat([torch.tensor([bos]), p]) for p in prompts]
+    return target, drafter, tokenizer, prompts, "trained"
+
+
+def _pair_arg(text: str) -> str:
+    if text in ("auto", "random"):
+        return text
+    from torch_kdtree.models.pair import has_default_pair
+
+    if not has_default_pair(text):
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'random' or a directory with target/ and drafter/ "
+                                         f"(python -m training.run --out DIR), got {text!r}")
+    return text
+
+
+def main(argv=None) -> None:
+    from torch_kdtree.models.generation import OracleDrafter  # the models import transformers: on use only
+    from torch_kdtree.models.pair import DEFAULT_PAIR_DIR, CREATE_COMMAND, has_default_pair
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-new-tokens", type=_in_range(int, 1, 4096), default=32, help="1..4096")
+    ap.add_argument("--pair", type=_pair_arg, default="auto",
+                    help="'auto' (the trained default pair when installed, else random), 'random', or a directory "
+                         "written by python -m training.run")
+    ap.add_argument("--max-new-tokens", type=_in_range(int, 1, 4096), default=None,
+                    help="1..4096 (default 64 with a trained pair, 32 with the random one)")
     ap.add_argument("--batch", type=_in_range(int, 1, 64), default=2, help="requests (prompts of different lengths)")
     ap.add_argument("--budget", type=_budget, default="16", help="tree budget B in 1..1024, or 'auto'")
-    ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=4,
-                    help="drafter block size (L = block size - 1), 2..16")
+    ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=None,
+                    help="the random drafter's block size (L = block size - 1), 2..16 (default 4; a trained "
+                         "drafter has its own)")
     ap.add_argument("--drafter", choices=("dflash", "oracle"), default="dflash")
     ap.add_argument("--accuracy", type=_in_range(float, 0.0, 1.0), default=0.8, help="oracle per-token accuracy, 0..1")
     ap.add_argument("--seed", type=int, default=0)
@@ -77,44 +133,59 @@ def main(argv=None) -> None:
 
     device = _device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.set_num_threads(1)  # tiny matrices: more threads only add overhead
+    torch.set_num_threads(1)  # small matrices: more threads only add overhead
     print(f"torch_kdtree {torch_kdtree.__version__} on {device}: {torch_kdtree.build_info()}")
-    heads = {"num_attention_heads": 8, "num_key_value_heads": 8} if device == "cuda" else {}
-    target = tiny_target(args.seed, **heads).to(device, dtype)
+    path = None
+    if args.pair == "auto":
+        path = DEFAULT_PAIR_DIR if has_default_pair() else None
+        if path is None:
+            print(f"no trained default pair at {DEFAULT_PAIR_DIR} (create it with: {CREATE_COMMAND}); "
+                  f"using the random tiny pair")
+    elif args.pair != "random":
+        path = args.pair
+    if path is not None and args.block_size is not None:
+        ap.error("--block-size: a trained drafter has its own block size (use --pair random to choose one)")
+    target, drafter, tokenizer, prompts, kind = (_trained_pair(args, path, device, dtype) if path is not None
+                                                 else _random_pair(args, device, dtype))
+    new_tokens = args.max_new_tokens or (64 if kind == "trained" else 32)
     if args.drafter == "oracle":
-        drafter = OracleDrafter(target, args.block_size, accuracy=args.accuracy, seed=args.seed)
-    else:
-        drafter = tiny_drafter(target, seed=args.seed + 1, block_size=args.block_size).to(device, dtype)
+        drafter = OracleDrafter(target, drafter.block_size, accuracy=args.accuracy, seed=args.seed)
     c = target.config
     print(f"target: Kimi K2 architecture, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
           f"{c.n_routed_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}, "
-          f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters (random)")
+          f"{_parameters(target) / 1e6:.2f} M parameters ({'trained: ' + str(path) if kind == 'trained' else 'random'})")
     print(f"drafter: {type(drafter).__name__}, block size {drafter.block_size}; tree budget {budget}")
 
-    g = torch.Generator().manual_seed(args.seed)
-    lengths = [5 + 3 * r for r in range(args.batch)]
-    ids = torch.zeros(args.batch, max(lengths), dtype=torch.long)
+    lengths = [p.numel() for p in prompts]
+    ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):  # left padding, as transformers users batch prompts
-        ids[r, -n:] = torch.randint(3, c.vocab_size, (n,), generator=g)
-        mask[r, -n:] = 1
+    for r, p in enumerate(prompts):  # left padding, as transformers users batch prompts
+        ids[r, -p.numel():] = p
+        mask[r, -p.numel():] = 1
     ids, mask = ids.to(device), mask.to(device)
-    common = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, eos_token_id=None)
+    common = dict(attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)
 
     ar, ar_s = _timed(lambda: target.generate(ids, return_dict_in_generate=True, **common))
     dd, dd_s = _timed(lambda: target.generate(ids, drafter=drafter, tree_budget=budget,
                                               return_dict_in_generate=True, **common))
-    tokens = args.batch * args.max_new_tokens
+    tokens = len(prompts) * new_tokens
     T = ids.shape[1]
-    for r in range(args.batch):
-        print(f"request {r}: prompt {ids[r, -lengths[r]:].tolist()}")
-        print(f"  completion {dd.sequences[r, T:].tolist()}")
+    for r in range(len(prompts)):
+        if tokenizer is not None:
+            prompt = tokenizer.decode(ids[r, -lengths[r]:].tolist(), skip_special_tokens=True)
+            completion = tokenizer.decode(dd.sequences[r, T:].tolist())
+            print(f"--- request {r}: prompt ({lengths[r]} tokens)\n{prompt}\n--- completion ({new_tokens} tokens)\n"
+                  f"{completion}\n---")
+        else:
+            print(f"request {r}: prompt {ids[r, -lengths[r]:].tolist()}")
+            print(f"  completion {dd.sequences[r, T:].tolist()}")
     print(f"mean acceptance length: {dd.mean_accept_length:.2f} tokens per step "
-          f"({dd.accept_lengths.shape[1]} DDTree steps for {args.max_new_tokens} tokens per request)")
+          f"({dd.accept_lengths.shape[1]} DDTree steps for {new_tokens} tokens per request)")
     print(f"tokens/s, wall clock: DDTree {tokens / dd_s:.1f}, autoregressive {tokens / ar_s:.1f} "
-          f"(batch {args.batch}, {args.max_new_tokens} new tokens each)")
+          f"(batch {len(prompts)}, {new_tokens} new tokens each): DDTree / AR {ar_s / dd_s:.2f}x")
     print(f"tokens/s inside the decoding steps (no prefill, no oracle look-ahead): "
-          f"DDTree {tokens / dd.step_seconds:.1f}, autoregressive {tokens / ar.step_seconds:.1f}")
+          f"DDTree {tokens / dd.step_seconds:.1f}, autoregressive {tokens / ar.step_seconds:.1f}: "
+          f"DDTree / AR {ar.step_seconds / dd.step_seconds:.2f}x")
     same = torch.equal(dd.sequences, ar.sequences)
     print(f"DDTree output == autoregressive output: {same}")
     if not same:

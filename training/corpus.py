@@ -41,6 +41,30 @@ class SourceFile:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
+def demo_prompts(files: list[SourceFile], count: int = 8, chars: int = 200) -> list[dict]:
+    """Code prompts from ``files`` (the held-out ones) for the main job: from each file in path
+    order, the first top-level or method ``def`` whose text runs on for at least ``chars`` more
+    characters, cut at the end of the line where ``chars`` is reached; ``count`` of them, each
+    {"file", "line", "text"}."""
+    out = []
+    for f in sorted(files, key=lambda f: f.path):
+        lines = f.text.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if not line.lstrip().startswith("def ") or len(line) - len(line.lstrip()) > 4:
+                continue
+            text = ""
+            for rest in lines[i:]:
+                text += rest
+                if len(text) >= chars:
+                    break
+            if len(text) >= chars:
+                out.append({"file": f.path, "line": i + 1, "text": text})
+                break
+        if len(out) == count:
+            break
+    return out
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
@@ -132,5 +156,5 @@ def manifest(train: list[SourceFile], heldout: list[SourceFile], heldout_fractio
     }
 
 
-__all__ = ["SourceFile", "stdlib_root", "stdlib_files", "split", "is_heldout", "checksum", "manifest",
+__all__ = ["demo_prompts", "SourceFile", "stdlib_root", "stdlib_files", "split", "is_heldout", "checksum", "manifest",
            "EXCLUDED_DIRS", "EXCLUDED_FILES"]

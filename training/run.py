@@ -48,7 +48,7 @@ import torch
 from . import corpus
 from .recipe import RECIPES, checkpoint_bytes, describe
 
-OUTPUTS = ("target", "drafter", "README.md", "metrics.json", "manifest.json")
+OUTPUTS = ("target", "drafter", "README.md", "metrics.json", "manifest.json", "prompts.json")
 
 
 class _Clock:
@@ -100,6 +100,10 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
     manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction)
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    # held-out code prompts for the main job (python -m torch_kdtree.demo)
+    prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
+                             "lines after it", "prompts": corpus.demo_prompts(heldout_files)}
+    (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
     log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
         f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
         f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
