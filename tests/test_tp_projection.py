@@ -97,6 +97,112 @@ def test_the_assumptions_are_the_stated_ones():
 
 
 # --------------------------------------------------------------------------------------------
+# the eight-GPU half (bench/tp8_run.py): measured TP-8 steps scaled in depth and to another card
+# --------------------------------------------------------------------------------------------
+
+def test_the_eight_gpu_assumptions_are_the_stated_ones():
+    from bench.tp_projection import ACCEPTANCES, BLOCK_SIZE, H200_SPEC_GBS, PCIE_BUS_GBS, RTX_PRO_6000_GBS, cases
+
+    assert RTX_PRO_6000_GBS == (1600.0, 1792.0) and H200_SPEC_GBS == 4800.0 and PCIE_BUS_GBS == (22.0, 41.0)
+    assert ACCEPTANCES == (3.0, 5.0, 8.0) and BLOCK_SIZE == 8
+    # low = the slow end of every assumption, high = the fast end
+    assert cases("8x H200") == [("8x H200", "measured", None), ("8x RTX PRO 6000", "low", (1600.0, 26.0, 22.0)),
+                                ("8x RTX PRO 6000", "high", (1792.0, 16.0, 41.0))]
+
+
+def test_max_accept_is_the_path_of_drafts_plus_the_bonus_token():
+    from bench.tp_projection import max_accept
+
+    assert [max_accept(b) for b in (0, 1, 4, 7, 8, 16, 64)] == [1, 2, 5, 8, 8, 8, 8]  # L = 7
+    assert max_accept(2, block_size=4) == 3 and max_accept(8, block_size=4) == 4
+    with pytest.raises(ValueError):
+        max_accept(-1)
+
+
+def test_collective_messages_size_every_collective_of_the_step():
+    from bench.tp_projection import collective_messages
+
+    row = 7168 * 2  # one token of hidden 7168 in bf16: 14 KB
+    assert collective_messages(61, 0) == [(122, row), (2, 0)]
+    # B = 16: 17 tree nodes through the target; the drafter's fc over 8 appended nodes, its 6 layers over the
+    # block of 8; five gathers (argmax value and id, the draft top-K's values, ids, log-sum-exps)
+    assert collective_messages(61, 16, 6) == [(122, 17 * row), (1, 8 * row), (12, 8 * row), (5, 0)]
+    assert collective_messages(61, 0, 6) == [(122, row), (1, row), (2, 0)]  # AR with a drafter: one token appended
+    assert collective_messages(2, 0, world=1) == [(4, row)]  # world 1: the vocabulary is whole, nothing gathers
+    for args in ((61, 0), (61, 16, 6), (3, 64, 2)):
+        assert sum(c for c, _ in collective_messages(*args)) == sum(collectives_per_step(*args))
+
+
+def test_ring_all_reduce_and_step_communication_pinned():
+    from bench.tp_projection import ring_all_reduce_us, step_communication_s
+
+    # 20 us + 2 x 7 / 8 x 14336 B at 40 GB/s = 20 + 0.6272 us
+    assert ring_all_reduce_us(14336, 8, 20.0, 40.0) == pytest.approx(20.6272, rel=1e-12)
+    assert ring_all_reduce_us(0, 8, 16.0, 41.0) == 16.0  # a gather: latency only
+    assert ring_all_reduce_us(1 << 20, 1, 5.0, 1.0) == 5.0  # world 1 moves nothing
+    # 122 x 20.6272 + 2 x 20 us = 2556.5184 us
+    assert step_communication_s([(122, 14336), (2, 0)], 8, 20.0, 40.0) == pytest.approx(2.5565184e-3, rel=1e-12)
+    with pytest.raises(ValueError):
+        ring_all_reduce_us(100, 8, 20.0, 0.0)
+
+
+def test_depth_scaling_of_measured_steps_and_their_collectives():
+    from bench.tp_projection import project_depth
+
+    measured = {4: {0: (2e-3, 0.5e-3), 16: (5e-3, 1e-3), 32: (6e-3, 1e-3)}, 8: {0: (3e-3, 0.9e-3), 16: (7e-3, 1.8e-3)}}
+    steps = project_depth(measured)
+    assert sorted(steps) == [0, 16]  # budgets measured at both depths only
+    # AR: per layer (3 - 2) / 4 = 0.25 ms -> 3 + 53 x 0.25 = 16.25 ms; collectives 0.9 + 53 x 0.1 = 6.2 ms
+    assert steps[0] == pytest.approx((16.25e-3, 6.2e-3), rel=1e-12)
+    # B = 16: 7 + 53 x 0.5 = 33.5 ms; 1.8 + 53 x 0.2 = 12.4 ms
+    assert steps[16] == pytest.approx((33.5e-3, 12.4e-3), rel=1e-12)
+    # collectives that would scale past the step are kept within it
+    assert project_depth({1: {0: (1e-3, 0.1e-3)}, 2: {0: (1.1e-3, 1e-3)}}, 4)[0] == pytest.approx((1.3e-3, 1.3e-3))
+    with pytest.raises(ValueError, match="two depths"):
+        project_depth({8: {0: (1e-3, 0.0)}})
+
+
+def test_scaling_to_another_card_and_mixing_budgets_pinned():
+    from bench.tp_projection import mix_tokens_per_s, scale_to_card
+
+    # 2 ms of non-collective work x 2.5 + 2 ms of the other card's collectives
+    assert scale_to_card(3e-3, 1e-3, 2.5, 2e-3) == pytest.approx(7e-3, rel=1e-12)
+    with pytest.raises(ValueError):
+        scale_to_card(1e-3, 2e-3, 2.0, 0.0)  # collectives longer than the step
+    # 256 tokens in 10 AR steps of 16.25 ms and 50 B = 16 steps of 33.5 ms: 256 / 1.8375 s
+    assert mix_tokens_per_s(256, {0: 10, 16: 50}, {0: 16.25e-3, 16: 33.5e-3}) == pytest.approx(139.3197279, rel=1e-9)
+
+
+def test_card_rows_pinned_to_hand_computed_numbers():
+    from bench.tp_projection import card_rows
+
+    rows = card_rows({0: (16.25e-3, 6.2e-3), 16: (33.5e-3, 12.4e-3)}, h200_gbs=4200.0)
+    by = {(r["case"], r["budget"]): r for r in rows}
+    assert [(r["card"], r["case"], r["budget"]) for r in rows] == [
+        ("8x H200", "measured", 0), ("8x H200", "measured", 16), ("8x RTX PRO 6000", "low", 0),
+        ("8x RTX PRO 6000", "low", 16), ("8x RTX PRO 6000", "high", 0), ("8x RTX PRO 6000", "high", 16)]
+    # measured: as given; 3 / 5 / 8 tokens a step over 33.5 ms, against 1 over 16.25 ms
+    m = by[("measured", 16)]
+    assert m["step_ms"] == pytest.approx(33.5) and m["comm_share"] == pytest.approx(12.4 / 33.5)
+    assert m["tokens_per_s"] == pytest.approx({3.0: 89.55223881, 5.0: 149.2537313, 8.0: 238.8059701})
+    assert m["speedup_vs_ar"][8.0] == pytest.approx(8 * 16.25 / 33.5)
+    assert by[("measured", 0)]["tokens_per_s"] == pytest.approx({1.0: 61.53846154})
+    # RTX low, AR: (16.25 - 6.2) ms x 4200 / 1600 = 26.38125 ms, + 122 x (26 + 1.75 x 14336 B / 22 GB/s) + 2 x 26 us
+    # = 122 x 27.14036364 + 52 = 3363.124364 us
+    low = by[("low", 0)]
+    assert low["comm_ms"] == pytest.approx(3.363124364, rel=1e-9)
+    assert low["step_ms"] == pytest.approx(26.38125 + 3.363124364, rel=1e-9)
+    # RTX low, B = 16: 21.1 ms x 2.625 = 55.3875 ms; 122 x (26 + 1.75 x 243712 / 22e3) + 13 x (26 + 1.75 x 114688 /
+    # 22e3) + 5 x 26 us = 5537.116 + 456.598 + 130 = 6123.714 us
+    assert by[("low", 16)]["step_ms"] == pytest.approx(55.3875 + 6.123712, rel=1e-9)
+    # RTX high, AR: 10.05 ms x 4200 / 1792 + 122 x (16 + 1.75 x 14336 / 41e3) + 2 x 16 us
+    assert by[("high", 0)]["step_ms"] == pytest.approx(10.05 * 4200 / 1792 + 2.058652098, rel=1e-9)
+    # a step of B = 4 emits at most 5 tokens: 8 is left out
+    short = card_rows({0: (1e-3, 0.0), 4: (2e-3, 0.0)})
+    assert short[1]["tokens_per_s"][8.0] is None and short[1]["tokens_per_s"][5.0] == pytest.approx(2500.0)
+
+
+# --------------------------------------------------------------------------------------------
 # the counts against the compiled steps
 # --------------------------------------------------------------------------------------------
 
