@@ -92,9 +92,7 @@ import gc
 import hashlib
 import io
 import json
-import os
 import re
-import socket
 import sys
 import time
 import traceback
@@ -167,8 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    default_out = os.path.join(os.environ["OUT"], "tp8") if os.environ.get("OUT") else "tp8_out"
-    p.add_argument("--out", default=default_out, help="output directory (default $OUT/tp8, else ./tp8_out)")
+    p.add_argument("--out", default="tp8_out", help="output directory (default ./tp8_out; scripts/tp8_run.sh passes "
+                                                     "its own)")
     p.add_argument("--previous", default=None, help="a tp8_run.json of an earlier invocation to merge first")
     p.add_argument("--backend", default="nccl" if cuda else "gloo", choices=("nccl", "gloo"))
     p.add_argument("--device", default="cuda" if cuda else "cpu", choices=("cuda", "cpu"))
@@ -221,28 +219,23 @@ class Ctx:
         return self.device.type == "cuda"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(args) -> Ctx:
     """The default process group (torchrun's environment; a single process without it) and a 1-D
     mesh over every rank.  NCCL is initialised eagerly (``device_id``) before anything is captured."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if dist.is_torchelastic_launched():  # torchrun: the group from its environment (torch reads it)
+        dist.init_process_group(args.backend, timeout=timeout)
+    else:  # one process, no launcher
+        dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
+        local = rank % torch.cuda.device_count()  # one node (torchrun --standalone): ranks in GPU order
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
+        dist.barrier(device_ids=[local])  # NCCL's communicator made now, before anything is captured
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
     import torch_kdtree  # noqa: F401  (the kdtree ops)
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -9,7 +9,6 @@ then TP-2 on two sub-meshes at once (:func:`bench.tp8_run.equality_rounds`).  Pl
 pure helpers.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch_kdtree import envs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spawn(tmp_path, world: int, *args, timeout: int = 900):
     out = tmp_path / f"world{world}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("OUT", None)
+    env = envs.child_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", OUT=None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(ROOT / "bench" / "tp8_run.py"), "--backend", "gloo", "--device", "cpu", "--tiny", "--out", str(out),
            *args]
