@@ -258,8 +258,188 @@ def scenario_token_choice(report, mesh, tp_cls):
     report["topk_lp_err"] = float((merged.logprobs - whole.logprobs).abs().max())
 
 
+def scenario_oracle(report, mesh, tp_cls):
+    """Greedy DDTree with an OracleDrafter (accuracy 0.8 and 1.0, alone and around a DFlash drafter
+    parallelised over the same mesh) on the tensor-parallel target: the single-process oracle's
+    tokens and accept lengths (the same drafts every step; the single-process runs are rank 0's,
+    broadcast).  Each rank's draft is its shard of the single-process draft, also traced with
+    fullgraph=True (the look-ahead's target pass and sharded argmax are the step's own, compiled in
+    scenario_generate)."""
+    from torch_kdtree.models.generation import OracleDrafter
+    from torch_kdtree.models.parallel import parallelize
+
+    lead, rank = dist.get_rank() == 0, mesh.get_local_rank()
+    target, _ = tiny_pair(4)
+    drafter = drafter_for(target, 4)
+    ids, mask = prompts(target.config.vocab_size)
+    tp_target = parallelize(copy.deepcopy(target), mesh)
+    tp_drafter = parallelize(copy.deepcopy(drafter), mesh)
+    common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, tree_budget=6,
+                  return_dict_in_generate=True)
+
+    def from_lead(fn):
+        box = [fn() if lead else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    want_ar = from_lead(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None))
+    for accuracy in (0.8, 1.0):
+        for inner in (False, True):
+            name = f"acc{accuracy}{'/inner' if inner else ''}"
+            single = OracleDrafter(target, 4, accuracy, seed=3, inner=copy.deepcopy(drafter) if inner else None)
+            want = from_lead(lambda: target.generate(ids, drafter=single, **common))
+            oracle = OracleDrafter(tp_target, 4, accuracy, seed=3, inner=tp_drafter if inner else None)
+            got = tp_target.generate(ids, drafter=oracle, **common)
+            entry = report[name] = {"tokens_equal": bool(torch.equal(got.sequences, want.sequences)),
+                                    "equals_ar": bool(torch.equal(want.sequences, want_ar)),
+                                    "accepts_equal": bool(torch.equal(got.accept_lengths, want.accept_lengths)),
+                                    "accepts": want.accept_lengths.tolist()}
+            # the draft from the state the last step left: this rank's shard of the single-process
+            # one (with ``inner``, the ids the oracle does not set hold the inner's logits: fp32 TP rounding)
+            def single_draft(single=single):
+                (session,) = [s for s in target.__dict__["_ddtree_sessions"].values() if s.drafter is single]
+                return single(session.root), single.continuation
+
+            whole, continuation = from_lead(single_draft)
+            (session,) = [s for s in tp_target.__dict__["_ddtree_sessions"].values() if s.drafter is oracle]
+            shard = oracle(session.root)
+            local = shard.shape[-1]
+            entry["same_continuation"] = bool(torch.equal(continuation, oracle.continuation))
+            entry["shard_max_diff"] = float((shard - whole[..., rank * local : (rank + 1) * local]).abs().max())
+            if (accuracy, inner) == (0.8, False):
+                torch._dynamo.reset()
+                traced = torch.compile(oracle, backend="aot_eager", fullgraph=True)(session.root)
+                torch._dynamo.reset()
+                entry["compiled_equal"] = bool(torch.equal(traced, shard))
+    # an oracle built on another model than the one generating is refused, saying so
+    try:
+        tp_target.generate(ids, drafter=OracleDrafter(target, 4), **common)
+        report["other_target_error"] = None
+    except ValueError as e:
+        report["other_target_error"] = str(e)
+
+
+# The fused forms' passes, grouped by prefilled cache: (R, cache positions per request, tree passes
+# (N, compiled plan, also in bf16)).  Each group's prefill runs the prefill plan (moe_gemv / int4_moe
+# with the shared expert fused at R * 6 rows).  R = 1, N = 1 is a decode (mla_decode; mla_prepare +
+# mla_tree_attention_output over a cache beyond DECODE_MAX_KEYS); R = 2, N = 1 mla_prepare; N = 5 and
+# 17 branching trees (tree_op; moe_gemv with the shared expert fused at 10 slots, the gathered experts
+# at 34); a compiled plan's multiply + sum forms (run eagerly).
+FUSED_PASSES = ((1, 64, ((1, False, True), (5, False, True), (17, False, False), (1, True, False))),
+                (2, 64, ((1, False, False),)),
+                (1, 1088, ((1, False, False),)))
+PLAN_FIELDS = ("attention", "qkv", "mlp", "router", "route", "experts", "shared", "matvec", "route_hint", "reduce")
+
+
+def fixed_routes(model):
+    """``model`` with each MoE layer's routing bias 3 on two experts, 0 elsewhere: the sigmoid scores
+    (in (0, 1)) cannot change the choice, so rounding differences cannot flip it (a flipped expert
+    moves the logits by O(1), which no rounding bound describes)."""
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            bias = torch.zeros_like(gate.e_score_correction_bias)
+            bias[[(2 * i) % bias.numel(), (2 * i + 3) % bias.numel()]] = 3.0
+            gate.e_score_correction_bias.copy_(bias)
+    return model
+
+
+def branching_tree(R: int, N: int, g):
+    """visible [R, N, N] of a random tree (node i's parent drawn from 0 .. i - 1) and the depths [R, N]."""
+    visible = torch.eye(N, dtype=torch.bool)
+    for i in range(1, N):
+        visible[i] |= visible[int(torch.randint(0, i, (1,), generator=g))]
+    return visible.expand(R, N, N).contiguous(), (visible.sum(-1) - 1).expand(R, N)
+
+
+def scenario_fused(report, mesh, tp_cls, checkpoint: str):
+    """The fused forms a GPU rank's plan selects (gemv_norm projections without the residual epilogue,
+    mla_decode / mla_prepare / mla_tree_attention(_output) over the local heads, moe_gemv / int4_moe
+    over the rank's expert width with the shared expert fused, the all-reduce after them), run on the
+    CPU through the ops' reference kernels with plans made for Target("cpu", kernels=ALL), for a
+    bf16-expert and an INT4-expert target (INT4_TARGET's shapes): prefills and tree passes.
+
+    Those forms are planned for bf16 weights only.  fp32: each model runs the plans made on a bf16
+    copy of itself (the same forms; the op references take fp32), the tensor-parallel model against
+    the single-process one.  bf16: the plans as made, with routing fixed (fixed_routes), against the
+    single-process bf16 run, and the reference forms likewise for scale.  The single-process runs
+    are rank 0's (the other ranks wait in their first collective)."""
+    from torch_kdtree.models import KimiK2Cache, KimiK2ForCausalLM
+    from torch_kdtree.models.generation.tiny import tiny_target
+    from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
+    from torch_kdtree.models.parallel import parallelize
+
+    def fields(plan):
+        return [{f: getattr(lp, f) for f in PLAN_FIELDS} for lp in plan.layers]
+
+    lead = dist.get_rank() == 0
+    targets = {"bf16_experts": tiny_target(6, **INT4_TARGET),
+               "int4_experts": KimiK2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, progress=False)}
+    for kind, base in targets.items():
+        V = base.config.vocab_size
+        for dtype in (torch.float32, torch.bfloat16):
+            fp32 = dtype == torch.float32
+            single = copy.deepcopy(base) if fp32 else fixed_routes(copy.deepcopy(base)).to(dtype)
+            tp_model = parallelize(copy.deepcopy(single), mesh)
+            # the models the plans are made on: bf16 copies for fp32 (parallelised alike)
+            plan_on = {"single": copy.deepcopy(single).to(torch.bfloat16) if fp32 else single,
+                       "tp": parallelize(copy.deepcopy(single).to(torch.bfloat16), mesh) if fp32 else tp_model}
+            forms = ("fused",) if fp32 else ("fused", "reference")
+            g = torch.Generator().manual_seed(31)
+            for R, keys, passes in FUSED_PASSES:
+                passes = [p for p in passes if fp32 or p[2]]
+                if not passes:
+                    continue
+                prompt = torch.randint(3, V, (R, 6), generator=g)
+                trees = [(N, compiled, torch.randint(3, V, (R, N), generator=g), *branching_tree(R, N, g))
+                         for N, compiled, _ in passes]
+                group = f"{kind}/{str(dtype)[6:]}/R{R}{'/long' if keys > 1024 else ''}"
+                names = [f"{group}/N{N}{'/compiled' if compiled else ''}" for N, compiled, *_ in trees]
+                logits = {}
+                for who, model in (("single", single), ("tp", tp_model)):
+                    if who == "single" and not lead:
+                        continue
+
+                    def run(key, *args, plan, **kw):
+                        out = model(*args, plan=plan, **kw)
+                        logits[who, key] = tp_model.tp.all_gather(out.logits, -1) if who == "tp" else out.logits
+                        return out
+
+                    cache = KimiK2Cache.for_model(model.config, R, keys, page_size=8, dtype=dtype)
+                    reach = cache.block_table.shape[1] * cache.page_size
+                    prefill = plan_pass(plan_on[who], tokens=6, rows=R * 6, tree=False, target=Target("cpu", False, ALL),
+                                        cache_keys=reach)
+                    report.setdefault(f"{group}/prefill", {})[f"{who}_layers"] = fields(prefill)
+                    if not fp32:  # the reference forms, for scale (no cache)
+                        run("prefill/reference", prompt, plan=prefill.reference())
+                    out = run("prefill/fused", prompt, cache=cache, plan=prefill)
+                    if who == "tp":
+                        report[f"{group}/prefill"]["hidden_digest"] = digest(out.last_hidden_state)
+                    cache.advance(6)
+                    for name, (N, compiled, tokens, visible, depth) in zip(names, trees):
+                        entry = report.setdefault(name, {})
+                        plan = plan_pass(plan_on[who], tokens=N, rows=R * N, tree=True,
+                                         target=Target("cpu", compiled, ALL), cache_keys=reach)
+                        entry[f"{who}_layers"] = fields(plan)
+                        positions = cache.lengths.long()[:, None] + depth
+                        for form in forms:  # tree passes write rows past the prefix, read only their own
+                            out = run(f"{name}/{form}", tokens, positions, cache, visible,
+                                      plan=plan if form == "fused" else plan.reference())
+                            if who == "tp" and form == "fused":
+                                entry["hidden_digest"] = digest(out.last_hidden_state)
+                                entry["plan"] = str(plan)
+                if lead:
+                    for name in [f"{group}/prefill", *names]:
+                        entry = report[name]
+                        key = "prefill/" if name.endswith("prefill") else f"{name}/"
+                        entry["rel_err"] = rel_err(logits["tp", key + "fused"], logits["single", key + "fused"])
+                        if not fp32:
+                            entry["reference_rel_err"] = rel_err(logits["tp", key + "reference"],
+                                                                 logits["single", key + "reference"])
+
+
 SCENARIOS = {"forward": scenario_forward, "generate": scenario_generate, "int4_load": scenario_int4_load,
-             "token_choice": scenario_token_choice}
+             "token_choice": scenario_token_choice, "fused": scenario_fused, "oracle": scenario_oracle}
 
 
 def run(rank: int, world: int, port: int, out: str, names: list, checkpoint: str | None) -> None:
@@ -278,7 +458,7 @@ def run(rank: int, world: int, port: int, out: str, names: list, checkpoint: str
             report = reports[name] = {}
             try:
                 with torch.no_grad():
-                    args = {"int4_load": (checkpoint,), "generate": (os.path.join(out, "drafter"),)}.get(name, ())
+                    args = {"int4_load": (checkpoint,), "fused": (checkpoint,), "generate": (os.path.join(out, "drafter"),)}.get(name, ())
                     SCENARIOS[name](report, mesh, TensorParallel, *args)
             except Exception:  # recorded; the test fails on it
                 report["error"] = traceback.format_exc()

@@ -21,6 +21,14 @@ and context) and its logits fill the ranks the oracle does not set.
 
 With ``accuracy=1`` the greedy chain is the tree's spine: a step accepts L + 1 tokens when
 B >= L, B + 1 when B < L.
+
+Under tensor parallelism (a target parallelised by ``models/parallel.py``, whose logits are
+vocabulary shards) the look-ahead chooses each greedy token with the session's sharded argmax
+(``select_tokens_sharded``: ties to the lower global id, as ``argmax``), and :meth:`forward`
+returns this rank's shard [R, L, V / world] of the same marginals, which the session's draft
+top-K merges across ranks as a DFlash drafter's; ``inner`` must then be parallelised over the
+same mesh (its logits are shards too).  The coin-flip tables come from ``seed`` on every rank
+alike, so every rank drafts the same tree.
 """
 from __future__ import annotations
 
@@ -28,6 +36,8 @@ import math
 
 import torch
 from torch import nn
+
+from .sampling import SamplingMode, select_tokens
 
 
 class OracleDrafter(nn.Module):
@@ -78,7 +88,9 @@ class OracleDrafter(nn.Module):
     def attach(self, target, cache) -> None:
         """The session's target and paged cache, where the greedy continuation is decoded."""
         if target is not self._target[0]:
-            raise ValueError("OracleDrafter: attached to a different target than it was built for")
+            raise ValueError("OracleDrafter: the session's target is not the model this oracle was built for "
+                             "(build the oracle on the model that generates: under tensor parallelism, this "
+                             "rank's parallelised target)")
         self._cache = cache
 
     def bind_target(self, embed_tokens, lm_head) -> "OracleDrafter":
@@ -157,11 +169,12 @@ class OracleDrafter(nn.Module):
         if self._cache is None:
             raise RuntimeError("OracleDrafter: attach(target, cache) first (the generation session does)")
         target, cache = self._target[0], self._cache
+        tp = getattr(target, "tp", None)  # logits are this rank's vocabulary shard: the sharded argmax
         x = root_tokens
         tokens = []
         for depth in range(self._block_size - 1):
-            logits = target(x[:, None], cache.lengths.long()[:, None], cache, self._ones).logits[:, 0]
-            x = logits.argmax(-1)
+            logits = target(x[:, None], cache.lengths.long()[:, None], cache, self._ones).logits
+            x = select_tokens(logits, SamplingMode(), None, tp)[:, 0]
             tokens.append(x)
             cache.lengths.add_(1)
         cache.lengths.sub_(self._block_size - 1)
@@ -169,10 +182,21 @@ class OracleDrafter(nn.Module):
         # (KeyError 'bufN' in its outer-loop fusion, pytorch/pytorch#196570, torch 2.14)
         self.continuation.copy_(torch.stack(tokens, dim=1))
 
+    def _shard(self) -> tuple[int, int]:
+        """(first id, size) of the vocabulary this rank's logits cover: the whole vocabulary, or
+        under tensor parallelism the target's ``lm_head`` shard."""
+        tp = getattr(self._target[0], "tp", None)
+        if tp is None or tp.world == 1:
+            return 0, self.vocab_size
+        local = self.vocab_size // tp.world
+        return tp.rank * local, local
+
     def forward(self, root_tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, L, V] of the oracle's marginals around :attr:`continuation`
-        (call :meth:`prepare` with the same roots first)."""
+        (call :meth:`prepare` with the same roots first); under tensor parallelism this rank's
+        vocabulary shard [R, L, V / world] of them."""
         R, L, V = root_tokens.shape[0], self._block_size - 1, self.vocab_size
+        start, local = self._shard()
         true = self.continuation
         pos = self.context_lengths.clamp(max=self.correct.shape[1] - 1)
         rows = torch.arange(R, device=root_tokens.device)
@@ -184,10 +208,15 @@ class OracleDrafter(nn.Module):
         lp_first, lp_second, lp_rest = self.log_beliefs.unbind()
         if self.inner is not None:  # the inner drafter's logits, squashed below the ranks set here
             logits = torch.sigmoid(self.inner(root_tokens).float()) + (lp_rest - 1)
+            if logits.shape[-1] != local:
+                raise ValueError(f"OracleDrafter: the inner drafter's logits cover {logits.shape[-1]} ids, this rank's "
+                                 f"vocabulary shard {local}: parallelise the inner drafter over the target's mesh")
         else:
-            logits = lp_rest.expand(R, L, V).clone()
-        logits = logits.scatter(-1, runner_up[..., None], lp_second.expand(R, L, 1))
-        return logits.scatter(-1, first[..., None], lp_first.expand(R, L, 1))
+            logits = lp_rest.expand(R, L, local)
+        # this rank's columns of the two ids set per depth (ids in other shards match no column)
+        cols = torch.arange(start, start + local, device=logits.device)
+        logits = torch.where(cols == runner_up[..., None], lp_second, logits)
+        return torch.where(cols == first[..., None], lp_first, logits)
 
 
 __all__ = ["OracleDrafter"]

@@ -196,14 +196,14 @@ class GenerationSession:
         self.target, self.drafter = target, drafter
         # tensor parallelism (models/parallel.py): logits are vocabulary shards; host decisions are rank 0's
         self.tp = getattr(target, "tp", None)
-        drafter_tp = getattr(drafter, "tp", None)
-        if drafter is not None and getattr(drafter, "prepare", None) is None and \
-                _mesh_of(drafter_tp) != _mesh_of(self.tp):
-            raise ValueError(f"GenerationSession: the drafter is parallelised over {_mesh_of(drafter_tp)} but the "
+        # a drafter's logits must be sharded as the target's: a DFlash drafter (an oracle's ``inner``
+        # one) parallelised over the same mesh; an oracle's own logits follow its target (oracle.py)
+        sharded = getattr(drafter, "inner", None) if getattr(drafter, "prepare", None) is not None else drafter
+        drafter_tp = getattr(sharded, "tp", None)
+        if sharded is not None and _mesh_of(drafter_tp) != _mesh_of(self.tp):
+            what = "the oracle's inner drafter" if sharded is not drafter else "the drafter"
+            raise ValueError(f"GenerationSession: {what} is parallelised over {_mesh_of(drafter_tp)} but the "
                              f"target over {_mesh_of(self.tp)}; parallelize both over the same device mesh")
-        if self.tp is not None and drafter is not None and getattr(drafter, "prepare", None) is not None:
-            raise NotImplementedError("GenerationSession: the oracle drafter is single-device only (its look-ahead "
-                                      "reads whole-vocabulary logits); use a DFlash drafter under tensor parallelism")
         self.device = target.device
         self.R, self.mode, self.sync_every = batch_size, mode, max(1, int(sync_every))
         self.vocab = target.config.vocab_size
