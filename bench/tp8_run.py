@@ -68,9 +68,9 @@ them).  Total ~7 min, plus ~0.5 min of start-up (imports, NCCL) per torchrun inv
   steps (the oracle's look-ahead excluded, as bench_generate).  The sessions are generate()'s own
   (GenerationSession.prefill + run), except that the look-ahead runs eagerly instead of compiled
   (:class:`_Session`): compiling its seven unrolled target passes would cost minutes at K2 width.
-  Needs OracleDrafter under tensor parallelism; where GenerationSession refuses it
-  (NotImplementedError, as before that support), the part records the error and the tree steps
-  use the DFlash drafter.
+  OracleDrafter runs under tensor parallelism (its look-ahead's greedy token by the sharded argmax,
+  its draft this rank's vocabulary shard); should this part raise, it records the error and the
+  tree steps use the DFlash drafter.
 - ``projection`` (instant; reads ``layers`` from this run or the JSON in ``--out``): full 61-layer
   K2.6 at TP-8, per budget, for mean acceptance 3, 5 and 8 tokens per step (and the oracle runs
   carried over), on the measured 8-GPU box and on 8x RTX PRO 6000 (bench/tp_projection.py's
