@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 48 in one device call: build the extension for the local GPU, train the default pair
+# (python -m training.run, FULL recipe, ~6-8 min on one H200: an estimate until this runs), then
+# pack it so that it comes back through the device tool, which returns at most 8 files of at most
+# 16 MiB each from $OUT: the pair (~23 MB in ~10 files) travels as one tar split into 15 MiB parts.
+#
+#   bash scripts/train_pair_device.sh            # on the device machine; logs and parts under $OUT
+#   bash scripts/unpack_pair.sh <dir with the parts>   # here: models/default_pair/ rebuilt and checked
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+bash scripts/gpu_run.sh "" "" "" || exit 1  # the build alone (gpu.txt, build.log under $OUT)
+t0=$(date +%s)
+timeout ${TRAIN_TIMEOUT:-480} python3 -m training.run --out models/default_pair --device cuda ${TRAIN_ARGS:-} \
+  > "$OUT/train.log" 2>&1
+rc=$?
+echo "training rc=$rc in $(( $(date +%s) - t0 )) s"
+grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote" "$OUT/train.log" | tail -40
+[ $rc -eq 0 ] || exit $rc
+cp models/default_pair/metrics.json "$OUT/metrics.json"
+tar cf - models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
+( cd models/default_pair && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
+ls -l "$OUT"
