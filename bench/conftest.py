@@ -115,6 +115,16 @@ def positive_int(raw: str) -> int:
     return n
 
 
+def _non_negative_int(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {raw!r}")
+    return n
+
+
 def _budgets(raw: str) -> tuple[int, ...]:
     try:
         budgets = tuple(int(b) for b in raw.split(","))
@@ -151,6 +161,24 @@ def pytest_addoption(parser):
     group.addoption("--bench-step-budgets", type=_budgets, default=(0, 8, 16, 32, 64, 128, 256), metavar="B,B,...",
                     help="the step-time table's tree budgets, including 0 and 16 (bench_generate; "
                          "default 0,8,16,32,64,128,256)")
+    from .long_context import CACHE_DTYPES, CONTEXTS, parse_cache_dtypes, parse_configs, parse_context, parse_contexts
+
+    group.addoption("--long-contexts", type=parse_contexts, default=CONTEXTS, metavar="C,C,...",
+                    help="contexts of the long-context table, k = 1024 (bench_long_context; default "
+                         "1k,4k,16k,64k,128k,200k,256k; 'all' the same)")
+    group.addoption("--long-cache-dtypes", type=parse_cache_dtypes, default=CACHE_DTYPES, metavar="bf16,fp8",
+                    help="latent cache dtypes of the long-context table (bench_long_context; default bf16,fp8)")
+    group.addoption("--long-configs", type=parse_configs, default=("k2_slice",), metavar="NAME,...",
+                    help="configurations of bench_long_context: k2_slice and / or 2p2b (default k2_slice)")
+    group.addoption("--long-drift-tokens", type=_non_negative_int, default=20000, metavar="N",
+                    help="tokens of sustained B = 16 generation before the drift check (bench_long_context; "
+                         "default 20000, 0 skips it)")
+    group.addoption("--long-drift-prompt", type=parse_context, default=16 * 1024, metavar="C",
+                    help="prompt before the drift check's generation (bench_long_context; default 16k)")
+    group.addoption("--long-steps", type=positive_int, default=16, metavar="N",
+                    help="steps per timing of bench_long_context (default 16)")
+    group.addoption("--long-prefill-chunk", type=positive_int, default=8192, metavar="N",
+                    help="prefill_chunk_size of bench_long_context's prefills (default 8192)")
 
 
 def pytest_collect_file(parent, file_path):

@@ -183,6 +183,96 @@ def test_unknown_kv_cache_dtypes_are_refused_by_name():
         KimiK2Cache(1, 1, 4, 575, kv_cache_dtype="fp8")
 
 
+def test_casting_an_fp8_cache_keeps_its_rows_and_scales():
+    """.to(dtype), .half(), .float(), a move, and a cast of a module holding the cache keep an fp8
+    cache's e4m3 rows and fp32 scales bit for bit and change only the dtype reads dequantise to; a
+    cast to another float8 format is refused and changes nothing.  A bf16 cache is cast as any
+    module's buffers (rows converted), but never to float8 (it has no scales)."""
+    g = torch.Generator().manual_seed(8)
+    cache = shuffled_cache(2, 16)
+    cache.write(1, cache.slots(5), torch.randn(2, 5, 576, generator=g) * 3)
+    cache.advance(5)
+    codes, scales, rows = cache.kv.view(torch.uint8).clone(), cache.kv_scale.clone(), cache.read(1, 5)
+    holder = torch.nn.Module()
+    holder.cache = cache
+    for cast, dtype in ((lambda c: c.to(torch.bfloat16), torch.bfloat16), (lambda c: c.half(), torch.float16),
+                        (lambda c: c.float(), torch.float32), (lambda c: c.to("cpu", torch.bfloat16), torch.bfloat16),
+                        (lambda c: c.to("cpu"), torch.bfloat16), (lambda c: holder.to(torch.float16), torch.float16),
+                        (lambda c: c.to(torch.float8_e4m3fn), torch.float16)):
+        cast(cache)
+        assert cache.kv.dtype == torch.float8_e4m3fn and cache.kv_scale.dtype == torch.float32 and cache.quantized
+        assert torch.equal(cache.kv.view(torch.uint8), codes) and torch.equal(cache.kv_scale, scales)
+        assert cache.dtype == dtype and cache.read(1, 5).dtype == dtype
+        assert torch.equal(cache.read(1, 5).float(), rows)  # power-of-two scales: exact in every dtype here
+        cache.check_layout()
+    with pytest.raises(ValueError, match="cannot cast an fp8 cache to torch.float8_e5m2"):
+        cache.to(torch.float8_e5m2)
+    assert torch.equal(cache.kv.view(torch.uint8), codes) and cache.kv_scale.dtype == torch.float32
+    bf16 = KimiK2Cache(2, 1, 8, 576, page_size=4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="would drop the scales fp8 rows need"):
+        bf16.to(torch.float8_e4m3fn)
+    assert bf16.kv.dtype == torch.bfloat16 and bf16.kv_scale is None
+    bf16.float()
+    assert bf16.kv.dtype == torch.float32 and bf16.dtype == torch.float32 and not bf16.quantized
+
+
+def test_bad_caches_give_clear_errors():
+    """Issue 50's bad inputs: an fp8 cache without its scales, scales of the wrong dtype or shape,
+    scales beside rows that are not fp8, rows of a dtype no path reads, a block table of another
+    dtype -- refused by the model's forward (prefill and tree pass) with what is wrong; an fp8
+    compute dtype refused by the cache's constructor; a cache that is not a KimiK2Cache refused."""
+    model = target(7)
+    ids = torch.randint(3, 128, (1, 4))
+    tree = (ids[:, :1], torch.zeros(1, 1, dtype=torch.long))
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
+
+    def fp8():
+        return KimiK2Cache.for_model(model, 1, 16, page_size=4, dtype=torch.float32, kv_cache_dtype="fp8")
+
+    def plain():
+        return KimiK2Cache.for_model(model, 1, 16, page_size=4, dtype=torch.float32)
+
+    broken = []
+    c = fp8()
+    c.kv_scale = None
+    broken.append((c, "an fp8 cache needs its scales: kv_scale float32 \\(2, 4, 4\\)"))
+    c = fp8()
+    c.kv_scale = c.kv_scale.half()
+    broken.append((c, "kv_scale must be float32 \\(2, 4, 4\\).*got torch.float16"))
+    c = fp8()
+    c.kv_scale = c.kv_scale[:, :, :2]
+    broken.append((c, "kv_scale must be float32 \\(2, 4, 4\\).*\\(2, 4, 2\\)"))
+    c = plain()
+    c.kv_scale = torch.ones(c.kv.shape[:3])
+    broken.append((c, "kv_scale is set but the rows are torch.float32"))
+    c = plain()
+    c.kv = c.kv.to(torch.int8)
+    broken.append((c, "kv must be .* rows of float8_e4m3fn, bfloat16, float16, float32 or float64; got torch.int8"))
+    c = plain()
+    c.kv = c.kv.to(torch.float8_e5m2)
+    broken.append((c, "got torch.float8_e5m2"))
+    c = fp8()
+    c.block_table = c.block_table.long()
+    broken.append((c, "block_table must be int32"))
+    for cache, message in broken:
+        with pytest.raises(ValueError, match=message):
+            model(ids, cache=cache)
+        with pytest.raises(ValueError, match=message):
+            model(*tree, cache, one)
+        with pytest.raises(ValueError, match=message):
+            cache.check_layout()
+    model(ids, cache=fp8())  # the same calls with whole caches run
+    model(*tree, plain(), one)
+    with pytest.raises(ValueError, match="dtype is the compute dtype.*for fp8 storage pass kv_cache_dtype"):
+        KimiK2Cache(1, 1, 4, 576, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="cache must be a KimiK2Cache"):
+        model(ids, cache=object())
+    with pytest.raises(TypeError, match="cache must be a KimiK2Cache"):
+        model.model(ids, cache=object())
+    with pytest.raises(ValueError, match="not a latent cache dtype"):
+        model.generate(ids, max_new_tokens=2, kv_cache_dtype=torch.float8_e5m2)
+
+
 # --------------------------------------------------------------------------------------------
 # generation over an fp8 cache
 # --------------------------------------------------------------------------------------------

@@ -210,11 +210,16 @@ class DDTreeGenerationMixin(GenerationMixin):
                 model's dtype), ``"fp8"`` / ``"fp8_e4m3"`` (e4m3 with one fp32 scale per token and
                 layer, docs/kimi_k2.md; attention runs in torch ops until the MLA kernels read fp8),
                 or ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
+            prefill_chunk_size (a kwarg or GenerationConfig field, transformers' name): prompt
+                tokens per prefill pass; longer prompts are prefilled chunk by chunk, each chunk
+                attending to the cache and itself, with the same result and memory for one chunk
+                (None, the default: 8192, ``modeling.PREFILL_CHUNK``; a 200k-token prompt just works).
 
         Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
         with ``return_dict_in_generate=True``.
         """
         from torch_kdtree.models.kimi_k2.cache import resolve_kv_cache_dtype
+        from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if input_ids is None:
@@ -234,6 +239,10 @@ class DDTreeGenerationMixin(GenerationMixin):
         if speculative is not None:
             _check_drafter(self, drafter)
         R, T = input_ids.shape
+        try:
+            prefill_chunk(getattr(config, "prefill_chunk_size", None))
+        except ValueError as e:
+            raise ValueError(f"generate: {e}") from None
         max_new = config.max_new_tokens
         if max_new is None:
             max_new = _value(config, "max_length") - T
@@ -271,7 +280,8 @@ class DDTreeGenerationMixin(GenerationMixin):
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
-        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling)
+        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling,
+                        prefill_chunk_size=getattr(config, "prefill_chunk_size", None))
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0

@@ -185,14 +185,20 @@ class GenerationSession:
             inductor options (e.g. ``{"combo_kernels": True}``); inductor compiles get
             :func:`inductor_options` (programmatic dependent launch on sm_90+).
         sync_every: steps between host checks.
+        prefill_chunk_size: prompt tokens per prefill pass (None: the model's default,
+            ``modeling.PREFILL_CHUNK`` = 8192): a long prompt is prefilled chunk by chunk, each
+            chunk committed to the cache and the drafter's context before the next, so a
+            200k-token prompt needs memory for one chunk (:meth:`prefill`).
     """
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
                  compile_step: bool | str | dict = False, sync_every: int = 8,
-                 kv_cache_dtype: str | torch.dtype = "auto"):
+                 kv_cache_dtype: str | torch.dtype = "auto", prefill_chunk_size: int | None = None):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
+        from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
+        self.prefill_chunk_size = prefill_chunk(prefill_chunk_size)
         self.target, self.drafter = target, drafter
         # tensor parallelism (models/parallel.py): logits are vocabulary shards; host decisions are rank 0's
         self.tp = getattr(target, "tp", None)
@@ -514,15 +520,25 @@ class GenerationSession:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, *, max_new: int, eos: list[int],
-                sampling: tuple[float, int | None, float | None] | None = None) -> None:
+                sampling: tuple[float, int | None, float | None] | None = None,
+                prefill_chunk_size: int | None = None) -> None:
         """Start R requests: right-padded prompts ``ids`` [R, T] with ``lengths`` [R]; the
-        first token is chosen here (as every later one: argmax or a Gumbel-max sample)."""
+        first token is chosen here (as every later one: argmax or a Gumbel-max sample).
+
+        The prompts go through the target in chunks of ``prefill_chunk_size`` tokens (None: the
+        session's), each chunk committed (the cache's lengths, the drafter's context) before the
+        next attends to it; only each request's last hidden state is kept, so memory is bounded
+        by the chunk, and the cache, the drafter's context and the first token are those of a
+        one-pass prefill (to fp32 rounding)."""
+        from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
+
         R, T = ids.shape
         if R != self.R or T > self.max_prompt or max_new > self.max_new:
             raise ValueError(f"GenerationSession: built for R={self.R}, prompts <= {self.max_prompt}, "
                              f"max_new <= {self.max_new}; got R={R}, T={T}, max_new={max_new}")
         if len(eos) > MAX_EOS:
             raise ValueError(f"generate: at most {MAX_EOS} eos_token_id values, got {len(eos)}")
+        chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
         self.reset()
         if sampling is not None:
             if self.params.set(*sampling) != self.mode:
@@ -530,14 +546,24 @@ class GenerationSession:
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
         self.max_new_t.fill_(max_new)
         self._gen_max_new, self._gen_eos = max_new, list(eos)
+        longest = int(torch.as_tensor(lengths).max()) if R else 0
+        ids = ids[:, : max(longest, 1)].to(self.device)
         lengths = lengths.to(self.device, torch.int64)
-        out = self.target(ids.to(self.device), cache=self.cache, input_lengths=lengths, tap_layers=self.taps,
-                          return_logits=False)
-        last = out.last_hidden_state[torch.arange(R, device=self.device), lengths - 1]
+        rows = torch.arange(R, device=self.device)
+        last = None
+        for c0 in range(0, ids.shape[1], chunk):
+            part = ids[:, c0 : c0 + chunk]
+            n = (lengths - c0).clamp(0, part.shape[1])
+            out = self.target(part, cache=self.cache, input_lengths=n, tap_layers=self.taps, return_logits=False,
+                              prefill_chunk_size=chunk)
+            hidden = out.last_hidden_state[rows, (lengths - 1 - c0).clamp(0, part.shape[1] - 1)]
+            ends_here = (lengths - 1 >= c0) & (lengths - 1 < c0 + part.shape[1])
+            last = hidden if last is None else torch.where(ends_here[:, None], hidden, last)
+            self.cache.advance(n)
+            if self.drafter is not None:
+                self.drafter.append_context(out.taps, n)
+            del out
         first = select_tokens(self.target.lm_head(last)[:, None], self.mode, self.params, self.tp)[:, 0]
-        self.cache.advance(lengths)
-        if self.drafter is not None:
-            self.drafter.append_context(out.taps, lengths)
         self.root.copy_(first)
         self.out[:, 0] = first
         self.out_len.fill_(1)

@@ -15,7 +15,13 @@ the dequantised values exact in bf16 (an attention kernel may dequantise into it
 without rounding).  The rows stay 576 bytes, 16-byte aligned, and the scales a tensor of their own,
 so ``kv_commit`` moves both as they are (:meth:`KimiK2Cache.commit`).  Writes quantise, reads
 dequantise to the compute ``dtype``; the MLA kernels do not read fp8 yet (the decode plan sends
-attention to its torch form).
+attention to its torch form).  Moving an fp8 cache (``.to(device)``, ``.cuda()``) moves its rows and
+scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's cast) keeps the e4m3 rows and
+fp32 scales and changes only the dtype reads dequantise to.  A 16-bit or fp32 cache is cast as any
+module's buffers are, but never to a float8 dtype (that would drop the scales: build the cache with
+``kv_cache_dtype="fp8"``).  :meth:`KimiK2Cache.check_layout` refuses an fp8 cache without its
+scales, scales beside rows that are not fp8, and rows of a dtype no path reads; the model runs it
+on every cache it is given.
 
 Allocated once for a maximum number of tokens per request.  A forward writes its new tokens'
 entries right after the committed prefix (token i of request r at position ``lengths[r] + i``)
@@ -32,8 +38,8 @@ from torch import nn
 from torch_kdtree.ops import kv_commit
 from torch_kdtree.ops._checks import value_checks_active
 
-__all__ = ["KimiK2Cache", "CacheOverflowError", "KV_CACHE_DTYPES", "resolve_kv_cache_dtype", "fp8_quantize",
-           "fp8_dequantize"]
+__all__ = ["KimiK2Cache", "CacheOverflowError", "KV_CACHE_DTYPES", "COMPUTE_DTYPES", "resolve_kv_cache_dtype",
+           "fp8_quantize", "fp8_dequantize"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
@@ -41,6 +47,10 @@ FP8_MAX = 448.0  # e4m3fn's largest finite value
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
                    "fp32": torch.float32, "float": torch.float32}
+# Compute dtypes (what reads return); "auto" stores the rows in it.
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                              "float8_e8m0fnu") if hasattr(torch, n))
 
 
 class CacheOverflowError(ValueError):
@@ -62,6 +72,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype, dtype: torch.dtype) -> torch.dtype:
         e5m2 = " (e5m2 is not implemented: the fp8 cache is e4m3)" if "e5m2" in kv_cache_dtype else ""
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}{e5m2}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
+def _cast_of(fn, device: torch.device) -> tuple[torch.dtype | None, torch.device]:
+    """What an ``nn.Module._apply`` function does to floating tensors on ``device``: the dtype it casts
+    them to (None: it keeps each one's dtype) and the device it moves them to (two probes)."""
+    a = fn(torch.zeros((), dtype=torch.float32, device=device))
+    b = fn(torch.zeros((), dtype=torch.float16, device=device))
+    return (a.dtype if a.dtype == b.dtype else None), a.device
 
 
 def fp8_quantize(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +120,10 @@ class KimiK2Cache(nn.Module):
         super().__init__()
         if min(num_layers, batch_size, max_tokens, entry_dim, page_size) < 1:
             raise ValueError("KimiK2Cache: num_layers, batch_size, max_tokens, entry_dim and page_size must be >= 1")
+        if dtype not in COMPUTE_DTYPES:
+            fp8 = " (for fp8 storage pass kv_cache_dtype=\"fp8\")" if dtype in _FLOAT8 else ""
+            raise ValueError(f"KimiK2Cache: dtype is the compute dtype reads return, one of "
+                             f"{', '.join(str(d) for d in COMPUTE_DTYPES)}; got {dtype}{fp8}")
         storage = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         if storage == FP8 and entry_dim % 2:
             raise ValueError(f"KimiK2Cache: an fp8 cache needs an even entry_dim (kv_commit moves its rows as "
@@ -135,7 +157,29 @@ class KimiK2Cache(nn.Module):
                 torch._dynamo.mark_static_address(t)
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+        """Moves and casts (``.to``, ``.cuda()``, ``.half()``, a parent module's cast): an fp8 cache's
+        rows stay e4m3 and its scales fp32 (they follow moves only; a cast changes the dtype reads
+        dequantise to); a cast of other rows to a float8 dtype is refused (no scales)."""
+        cast, device = _cast_of(fn, self.kv.device)
+        if cast in _FLOAT8 and not (self.quantized and cast == FP8):
+            if self.quantized:
+                raise ValueError(f"KimiK2Cache: cannot cast an fp8 cache to {cast}: its rows stay {FP8} with "
+                                 f"their fp32 scales (other float8 formats are not implemented)")
+            raise ValueError(f"KimiK2Cache: cannot cast {self.kv.dtype} rows to {cast}: that would drop the "
+                             f"scales fp8 rows need; build the cache with kv_cache_dtype=\"fp8\" (e4m3 rows + "
+                             f"fp32 scales) instead")
+        if self.quantized:
+            kept = {name: self._buffers.pop(name) for name in ("kv", "kv_scale")}
+            try:
+                super()._apply(fn, recurse)
+                kept = {name: t if t is None else t.to(device=device)  # follow the move, not the cast
+                        for name, t in kept.items()}
+            finally:
+                self._buffers.update(kept)
+        else:
+            super()._apply(fn, recurse)
+        if cast is not None and cast not in _FLOAT8:
+            self.dtype = cast
         self._mark_static()
         return self
 
@@ -145,8 +189,41 @@ class KimiK2Cache(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the rows are fp8 with per-(layer, token) scales."""
-        return self.kv_scale is not None
+        """Whether the rows are fp8 (e4m3, with per-(layer, token) scales in ``kv_scale``)."""
+        return self.kv.dtype == FP8
+
+    def check_layout(self) -> None:
+        """Raise a ValueError naming what is wrong when the tensors do not form a cache any path
+        reads: rows of a dtype other than e4m3 / bf16 / fp16 / fp32 / fp64 (of the ``dtype`` it
+        computes in), an fp8 cache without fp32 scales [layers, pages, page_size] on the rows'
+        device, scales beside rows that are not fp8, a block table or lengths of another dtype,
+        shape or device.  Metadata only (no device reads): the model calls it on every cache."""
+        kv, scale = self.kv, self.kv_scale
+        if kv.dim() != 4 or kv.dtype not in (FP8,) + COMPUTE_DTYPES:
+            raise ValueError(f"KimiK2Cache: kv must be [layers, pages, page_size, D] rows of float8_e4m3fn, "
+                             f"bfloat16, float16, float32 or float64; got {kv.dtype} {tuple(kv.shape)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"KimiK2Cache: dtype (what reads return) must be one of "
+                             f"{', '.join(str(d) for d in COMPUTE_DTYPES)}, got {self.dtype}")
+        if self.quantized:
+            if scale is None:
+                raise ValueError(f"KimiK2Cache: an fp8 cache needs its scales: kv_scale float32 "
+                                 f"{tuple(kv.shape[:3])} (one per layer and token), got None; build it with "
+                                 f"kv_cache_dtype=\"fp8\"")
+            if scale.dtype != torch.float32 or scale.shape != kv.shape[:3] or scale.device != kv.device:
+                raise ValueError(f"KimiK2Cache: kv_scale must be float32 {tuple(kv.shape[:3])} on {kv.device} "
+                                 f"(one scale per layer and token), got {scale.dtype} {tuple(scale.shape)} on "
+                                 f"{scale.device}")
+        elif scale is not None:
+            raise ValueError(f"KimiK2Cache: kv_scale is set but the rows are {kv.dtype}: scales belong to an fp8 "
+                             f"cache (kv float8_e4m3fn)")
+        table, lengths = self.block_table, self.lengths
+        if table.dtype != torch.int32 or table.dim() != 2 or table.device != kv.device:
+            raise ValueError(f"KimiK2Cache: block_table must be int32 [R, max_pages] on {kv.device}, got "
+                             f"{table.dtype} {tuple(table.shape)} on {table.device}")
+        if lengths.dtype != torch.int32 or lengths.shape != table.shape[:1] or lengths.device != kv.device:
+            raise ValueError(f"KimiK2Cache: lengths must be int32 [{table.shape[0]}] on {kv.device}, got "
+                             f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}")
 
     @property
     def bytes_per_token(self) -> int:
