@@ -51,7 +51,7 @@ def test_toy_pipeline_runs_under_a_minute_and_losses_fall(toy_run):
         assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.3, (phase, curve)
     assert metrics["pretrain"]["steps"] == recipes.TOY.steps
     assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "drafter", "manifest.json", "metrics.json",
-                                                             "target"])
+                                                             "prompts.json", "target"])
     assert not any(p.name.endswith(".partial") for p in out.parent.iterdir())
     on_disk = json.loads((out / "metrics.json").read_text())
     assert on_disk["heldout"]["int4"]["bits_per_byte"] == pytest.approx(metrics["heldout"]["int4"]["bits_per_byte"])
