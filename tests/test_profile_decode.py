@@ -43,3 +43,13 @@ def test_step_timeline_orders_by_start():
 def test_step_timeline_needs_equal_steps(events, n):
     with pytest.raises(ValueError, match="equal steps"):
         step_timeline(events, n)
+
+
+def test_budgets_option():
+    from tools.profile_decode import parse_args
+
+    assert parse_args(["k2_slice"]).budgets == (0, 16)
+    assert parse_args(["--budgets", "0,4,8,16", "2p2b"]).budgets == (0, 4, 8, 16)
+    for bad in ("", "a,b", "-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--budgets", bad])

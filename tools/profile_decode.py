@@ -6,6 +6,7 @@ predecessor ended, as programmatic-dependent-launch kernels are).
 
 Run (GPU):  python -m tools.profile_decode [2p2b|k2_slice ...]   (kernel tables and replay times)
             python -m tools.profile_decode --timeline [2p2b|k2_slice ...]   (AR and B = 16 steps)
+            python -m tools.profile_decode --budgets 0,4,8,16 [...]   (issue 44: AR and B = 4, 8, 16)
 Options: --out DIR (default /tmp: where kernels.txt and timeline_*.txt are written), --no-compile
 (the kernel tables and replay times of eager steps, without CUDA graphs for the tables; default:
 steps compiled by inductor, replayed in graphs).  The configurations and random models are
@@ -63,16 +64,22 @@ def kernel_table(name: str, budget: int, compiled: bool = False, out: str = "/tm
         f.write(text + "\n")
 
 
-def replay_times(name: str, compile_step) -> None:
+def replay_times(name: str, compile_step, budgets=(0, 16)) -> None:
+    """Graph-replay ms of the steps at ``budgets`` (0: AR) of one session; each tree step also as a
+    multiple of the AR step.  The line's form with the default budgets is what scripts/ab_heads.sh
+    greps (``compile_step=``)."""
+    budgets = tuple(sorted(set(budgets) | {0}))
     t0 = time.perf_counter()
-    s = _session(name, (0, 16), compile_step=compile_step)
+    s = _session(name, budgets, compile_step=compile_step)
     setup = time.perf_counter() - t0
     ms = {}
-    for b in (0, 16):
+    for b in budgets:
         s.step(b)
         ms[b] = s.time_steps(b, 16) * 1e3
-    print(f"{name} compile_step={compile_step}: AR {ms[0]:.3f} ms, B=16 {ms[16]:.3f} ms, "
-          f"ratio {ms[16] / ms[0]:.2f} (setup {setup:.0f} s)", flush=True)
+    trees = ", ".join(f"B={b} {ms[b]:.3f} ms" for b in budgets if b)
+    ratios = ", ".join(f"{ms[b] / ms[0]:.2f}" for b in budgets if b)
+    print(f"{name} compile_step={compile_step}: AR {ms[0]:.3f} ms, {trees}, ratio {ratios} (setup {setup:.0f} s)",
+          flush=True)
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -115,6 +122,16 @@ def timeline(name: str, budget: int, out: str = "/tmp") -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def _budgets(text: str) -> tuple:
+    try:
+        budgets = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}") from None
+    if not budgets or min(budgets) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return budgets
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.profile_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("names", nargs="*", metavar="NAME",
@@ -123,6 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one compiled, graph-replayed step's launches in order (AR and B = 16) instead of the tables")
     p.add_argument("--out", default="/tmp", metavar="DIR",
                    help="where kernels.txt and timeline_*.txt are written (default /tmp; created if missing)")
+    p.add_argument("--budgets", type=_budgets, default=(0, 16), metavar="B,B,...",
+                   help="tree budgets to profile, 0 = the AR step (default 0,16; issue 44 asks for 0,4,8,16)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="kernel tables and replay times of steps compiled by inductor and replayed in CUDA graphs "
                         "(default); --no-compile: eager steps")
@@ -139,13 +158,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.timeline:
         for name in args.names:
-            for b in (0, 16):
+            for b in args.budgets:
                 timeline(name, b, args.out)
         return
     for name in args.names:
-        for b in (0, 16):
+        for b in args.budgets:
             kernel_table(name, b, args.compile, args.out)
-        replay_times(name, args.compile)
+        replay_times(name, args.compile, args.budgets)
 
 
 if __name__ == "__main__":
