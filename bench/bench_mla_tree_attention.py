@@ -14,6 +14,10 @@ bytes = R·S·1152 (the latent cache, read once) + q and out; FLOPs = R·N·H·S
 Regime = compute when FLOPs/bytes exceeds the measured matmul rate / the HBM ceiling (bench/conftest.py:
 max of a read-only stream and a device copy, both measured in the same run); the issue's targets:
 >= 70 % of the ceiling (memory, ceiling_ratio) or >= 50 % of the matmul rate (compute, mm_ratio).
+fp8 cache (issue 50): test_mla_tree_attention_fp8, H in {8, 64}, N in {1, 17}, S in {16k, 128k}, R 1:
+the same calls over e4m3 rows + fp32 scales (kv_scale), bytes counted at fp8's own size,
+R·S·(576 + 4) + q and out, against the same ceiling (issue 50's target: >= 80 % of it for decode);
+each cell also times the bf16 cache at the same shape in the same run (bf16_us, speedup_vs_bf16).
 """
 import math
 
@@ -21,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch_kdtree.models.kimi_k2.cache import fp8_quantize
 from torch_kdtree.ops import ddtree_build, mla_tree_attention, value_checks
 
 from .conftest import bf16_matmul_tflops, cuda_time_us, hbm_ceiling, record, requires_cuda
@@ -114,4 +119,42 @@ def test_mla_tree_attention(benchmark, H, N, S, R):
            target_met=ratio >= (0.5 if compute_bound else 0.7),
            naive_us=naive_us, naive_rel_diff=naive_err, speedup_vs_naive=naive_us / us if naive_us == naive_us else "skipped",
            **ceiling.fields())
+    torch.cuda.empty_cache()
+
+
+@requires_cuda
+@pytest.mark.parametrize("S", [16384, 131072])
+@pytest.mark.parametrize("N", [1, 17])
+@pytest.mark.parametrize("H", [8, 64])
+def test_mla_tree_attention_fp8(benchmark, H, N, S):
+    R, M = 1, N * H
+    flops = R * M * S * 2.0 * (D + DV)
+    ceiling, tf = hbm_ceiling(), bf16_matmul_tflops()
+    bw = ceiling.gbs
+    q, kv, bt, lens, vis = _inputs(R, N, H, S)
+    kv8, kv_scale = fp8_quantize(kv)
+    out = torch.empty(R, N, H, DV, device="cuda", dtype=torch.bfloat16)
+    nbytes = R * S * (D + 4) + q.numel() * 2 + out.numel() * 2
+    bf16_bytes = R * S * D * 2 + q.numel() * 2 + out.numel() * 2
+    est_s = max(nbytes / (bw * 1e9 * 0.7), flops / (tf * 1e12 * 0.4))
+    calls = max(1, min(20, int(0.02 / est_s)))
+    with value_checks(False):
+        fn = lambda: mla_tree_attention(q, kv8, bt, lens, vis, SCALE, out=out, kv_scale=kv_scale)  # noqa: E731
+        us = cuda_time_us(fn, calls_per_graph=calls, replays=5 if calls < 20 else 10)
+        benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=1)
+        ref = mla_tree_attention(q, (kv8.float() * kv_scale[..., None]).to(torch.bfloat16), bt, lens, vis, SCALE)
+        same_as_dequantised_bf16 = bool(torch.equal(out, ref))
+        del ref
+        bf16_us = cuda_time_us(lambda: mla_tree_attention(q, kv, bt, lens, vis, SCALE, out=out),
+                               calls_per_graph=calls, replays=5 if calls < 20 else 10)
+    gbs = nbytes / (us * 1e-6) / 1e9
+    tflops = flops / (us * 1e-6) / 1e12
+    compute_bound = flops / nbytes > tf * 1e12 / (bw * 1e9)
+    target = 0.5 if compute_bound else 0.8
+    ratio = tflops / tf if compute_bound else gbs / bw
+    record(benchmark, op="mla_tree_attention_fp8", H=H, N=N, S=S, R=R, rows=M, us=us, gbs=gbs,
+           ceiling_ratio=gbs / bw, tflops=tflops, matmul_tflops=tf, mm_ratio=tflops / tf,
+           regime="compute" if compute_bound else "memory", target=target, target_met=ratio >= target,
+           bf16_us=bf16_us, bf16_ceiling_ratio=bf16_bytes / (bf16_us * 1e-6) / 1e9 / bw, speedup_vs_bf16=bf16_us / us,
+           same_as_dequantised_bf16=same_as_dequantised_bf16, **ceiling.fields())
     torch.cuda.empty_cache()

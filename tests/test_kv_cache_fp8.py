@@ -1,7 +1,8 @@
 """The fp8 latent cache (``kv_cache_dtype="fp8"``): e4m3 rows with one fp32 power-of-two scale per
 (layer, token), written quantised, read dequantised, moved with their scales by ``kv_commit``; the
-decode plan keeps attention in torch ops over it; greedy DDTree equals greedy autoregressive decoding
-over the same fp8 cache; and the fp8 cache keeps the fp32 cache's top-1 over a long generation.
+decode plan runs mla_tree_attention over it (tree_op: the op reads the rows and their scales) where
+the kernel is, torch ops elsewhere; greedy DDTree equals greedy autoregressive decoding over the same
+fp8 cache in both forms; and the fp8 cache keeps the fp32 cache's top-1 over a long generation.
 
 Tiny random targets in fp32 on the CPU (models/generation/tiny.py).
 """
@@ -137,10 +138,13 @@ def test_kv_commit_moves_fp8_rows_and_their_scales():
 # the plan, bad inputs
 # --------------------------------------------------------------------------------------------
 
-def test_plan_keeps_attention_in_torch_over_an_fp8_cache():
+def test_plan_runs_mla_tree_attention_over_an_fp8_cache():
     """With every kdtree kernel available (the CUDA plan's forms), a bf16 K2-shaped model over an fp8
-    cache keeps its tree attention in torch ops and says why once; a prefill notes its dequantised
-    reads; a plan made for a bf16 cache is refused with an fp8 cache, and the MLA ops refuse fp8 rows."""
+    cache runs its tree attention as tree_op (mla_tree_attention reads the e4m3 rows and their scales;
+    mla_prepare / mla_decode, which a bf16 cache takes, read and write bf16 rows only) and says why
+    once; an fp32 model on CUDA keeps torch ops (the CUDA kernel's query is bf16); a prefill notes its
+    dequantised reads; a plan made for a bf16 cache with mla_decode is refused with an fp8 cache, and
+    the MLA op refuses fp8 rows without their scales."""
     from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
     from torch_kdtree.ops import mla_tree_attention
 
@@ -149,21 +153,31 @@ def test_plan_keeps_attention_in_torch_over_an_fp8_cache():
     for R, N in ((1, 1), (2, 1), (1, 8)):
         fp8 = plan_pass(model, tokens=N, rows=R * N, tree=True, target=cuda, kv_cache_dtype=torch.float8_e4m3fn)
         bf16 = plan_pass(model, tokens=N, rows=R * N, tree=True, target=cuda, kv_cache_dtype=torch.bfloat16)
-        assert {lp.attention for lp in fp8.layers} == {"torch"}
+        assert {lp.attention for lp in fp8.layers} == {"tree_op"}
         assert {lp.attention for lp in bf16.layers} & {"decode", "prepare", "prepare_output", "tree_op"}
-        assert sum("fp8 latent cache: the MLA kernels do not read fp8 yet" in r for r in fp8.reasons) == 1
+        assert sum("fp8 latent cache: mla_tree_attention reads the e4m3 rows and their scales" in r
+                   for r in fp8.reasons) == 1
+        assert any("mla_prepare and mla_decode read / write bf16 rows only" in r for r in fp8.reasons)
         assert "fp8 latent cache" in str(fp8).splitlines()[0]
         assert [lp.qkv for lp in fp8.layers] == [lp.qkv for lp in bf16.layers]  # the projections keep their kernels
+        fp32 = plan_pass(model, tokens=N, rows=R * N, tree=True, target=cuda, dtype=torch.float32,
+                         kv_cache_dtype=torch.float8_e4m3fn)
+        assert {lp.attention for lp in fp32.layers} == {"torch"}
+        assert any("CUDA kernel takes a bf16 query" in r for r in fp32.reasons)
+        cpu = plan_pass(model, tokens=N, rows=R * N, tree=True, target=Target("cpu", kernels=ALL), dtype=torch.float32,
+                        kv_cache_dtype=torch.float8_e4m3fn)
+        assert {lp.attention for lp in cpu.layers} == {"tree_op"}  # the op's CPU kernel (its reference) takes fp32
     prefill = plan_pass(model, tokens=5, rows=5, tree=False, target=cuda, kv_cache_dtype=torch.float8_e4m3fn)
     assert any("dequantised cache rows" in r for r in prefill.reasons)
     cache = KimiK2Cache.for_model(model, 1, 16, page_size=4, dtype=torch.bfloat16, kv_cache_dtype="fp8")
     assert model.model.plan_pass(1, 1, tree=True, cache=cache).fp8_cache
     kernel_plan = plan_pass(model, tokens=1, rows=1, tree=True, target=cuda, kv_cache_dtype=torch.bfloat16)
+    assert {lp.attention for lp in kernel_plan.layers} == {"decode"}
     with pytest.raises(ValueError, match="do not read an fp8 latent cache"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), cache,
               torch.ones(1, 1, 1, dtype=torch.bool), plan=kernel_plan)
     q = torch.zeros(1, 1, 2, 576, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
+    with pytest.raises(ValueError, match="kv_scale is required with a torch.float8_e4m3fn kv_cache"):
         mla_tree_attention(q, cache.layer(0), cache.block_table, cache.lengths, torch.ones(1, 1, 1, dtype=torch.bool),
                            0.1)
 
@@ -373,3 +387,99 @@ def test_fp8_cache_keeps_the_fp32_caches_top1_over_a_long_greedy_generation():
     assert decided.float().mean() >= 0.4  # most positions are decided: the agreement is not vacuous
     assert results["fp8"] >= 0.99
     assert results["bfloat16"] >= 0.99
+
+
+# --------------------------------------------------------------------------------------------
+# the tree_op form over an fp8 cache (kdtree::mla_tree_attention with kv_scale; its CPU kernel)
+# --------------------------------------------------------------------------------------------
+
+def _plan_with_every_kernel(inner):
+    """A replacement for ``inner.plan_pass`` planning for Target("cpu", kernels=ALL): the fused forms
+    a GPU plan selects, run on the CPU through the ops' reference kernels."""
+    from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
+
+    def plan(R, T, *, tree, cache=None, dtype=None, compiled=False):
+        keys = cache.block_table.shape[1] * cache.page_size if cache is not None else 0
+        return plan_pass(inner, tokens=T, rows=R * T, tree=tree, target=Target("cpu", compiled, ALL), dtype=dtype,
+                         cache_keys=keys, kv_cache_dtype=cache.kv.dtype if cache is not None else None)
+    return plan
+
+
+def _count_tree_op_calls(monkeypatch):
+    """Record (kv_cache dtype, kv_scale given) of every mla_tree_attention call the fused forms make."""
+    from torch_kdtree.models.kimi_k2 import fused
+
+    calls, real = [], fused.mla_tree_attention
+
+    def counting(q, kv_cache, *args, kv_scale=None, **kwargs):
+        calls.append((kv_cache.dtype, kv_scale is not None))
+        return real(q, kv_cache, *args, kv_scale=kv_scale, **kwargs)
+    monkeypatch.setattr(fused, "mla_tree_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind,budget,block_size,R,seed", [
+    ("random_dflash", 7, 4, 2, 21),
+    ("random_dflash", "auto", 5, 1, 22),
+    ("oracle_80", 6, 4, 2, 23),
+])
+def test_greedy_ddtree_equals_autoregressive_with_an_fp8_cache_through_mla_tree_attention(
+        monkeypatch, kind, budget, block_size, R, seed):
+    """The sacred property over the same fp8 cache with the plan a GPU makes (tree passes and
+    autoregressive steps as tree_op: kdtree::mla_tree_attention reading the e4m3 rows with the layer's
+    scales, here through its CPU kernel; the rows written by the torch quantiser): greedy DDTree emits
+    greedy autoregressive's tokens."""
+    model = tiny_target(seed)  # fresh: its plan_pass is replaced for this test
+    monkeypatch.setattr(model.model, "plan_pass", _plan_with_every_kernel(model.model))
+    calls = _count_tree_op_calls(monkeypatch)
+    ids, mask = prompts(R, seed)
+    drafter = tiny_drafter(model, seed=seed, block_size=block_size) if kind == "random_dflash" else \
+        OracleDrafter(model, block_size, accuracy=0.8, second_choice=0.5, seed=seed)
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, kv_cache_dtype="fp8")
+    assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
+    calls.clear()
+    dd = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None, kv_cache_dtype="fp8",
+                        drafter=drafter, tree_budget=budget, return_dict_in_generate=True)
+    assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
+    assert torch.equal(dd.sequences, ar)
+    if kind == "oracle_80":
+        assert dd.mean_accept_length > 1.5  # accepted drafts: commits really moved rows and scales
+
+
+@pytest.mark.parametrize("R,N,page_size", [(1, 1, 4), (3, 1, 64), (2, 9, 4), (1, 17, 1)])
+def test_fp8_tree_op_logits_equal_the_torch_forms_to_fp32_rounding(monkeypatch, R, N, page_size):
+    """One pass over the same fp8 cache (after a prefill) planned for every kernel (tree_op: the op
+    reads e4m3 rows and scales) and the same plan with torch-op attention (dequantised cache.read):
+    the logits agree to fp32 rounding, and the rows both passes write are the same bytes."""
+    import dataclasses
+
+    model = tiny_target(5)
+    g = torch.Generator().manual_seed(40 + R * N)
+    V = model.config.vocab_size
+    prompt = torch.randint(3, V, (R, 11), generator=g)
+    cache = KimiK2Cache.for_model(model, R, 11 + N + 3, page_size=page_size, dtype=torch.float32, kv_cache_dtype="fp8")
+    order = torch.randperm(cache.kv.shape[1], generator=g)  # shuffled pages: the block table matters
+    cache.block_table.copy_(order.view_as(cache.block_table))
+    model(prompt, cache=cache)
+    cache.advance(11)
+    visible = torch.ones(N, N, dtype=torch.bool).tril()
+    visible[1:, 1:] &= torch.rand(N - 1, N - 1, generator=g) < 0.6  # a tree: ancestors kept at random
+    visible |= torch.eye(N, dtype=torch.bool)
+    visible = visible.expand(R, N, N).contiguous()
+    tokens = torch.randint(3, V, (R, N), generator=g)
+    positions = cache.lengths.long()[:, None] + visible.sum(-1) - 1
+    plan = _plan_with_every_kernel(model.model)(R, N, tree=True, cache=cache)
+    assert {lp.attention for lp in plan.layers} == {"tree_op"}
+    torch_plan = dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, attention="torch")
+                                                        for lp in plan.layers))
+    calls = _count_tree_op_calls(monkeypatch)
+    rows, scales = cache.kv.view(torch.uint8).clone(), cache.kv_scale.clone()
+    want = model(tokens, positions, cache, visible, plan=torch_plan).logits
+    assert not calls
+    written = cache.kv.view(torch.uint8).clone(), cache.kv_scale.clone()
+    cache.kv.view(torch.uint8).copy_(rows)
+    cache.kv_scale.copy_(scales)
+    got = model(tokens, positions, cache, visible, plan=plan).logits
+    assert len(calls) == model.config.num_hidden_layers and set(calls) == {(torch.float8_e4m3fn, True)}
+    assert torch.equal(cache.kv.view(torch.uint8), written[0]) and torch.equal(cache.kv_scale, written[1])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

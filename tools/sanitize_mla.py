@@ -1,18 +1,25 @@
 """Representative mla_tree_attention calls for compute-sanitizer memcheck / racecheck: both tiles
 (16-row and 64-row), split + combine and single-split paths, tree masks, odd page size, padding rows;
-each with and without prefix_ready (the 16-row tile's committed key tiles copied before the wait)."""
+each with and without prefix_ready (the 16-row tile's committed key tiles copied before the wait);
+and the same over an fp8 cache (e4m3 rows + fp32 scales: the fp8 ring, the 4-byte scale copies and
+the shared-memory conversion of both tiles), page sizes 1 and 64 included."""
 import torch
 
 import torch_kdtree  # noqa: F401
+from torch_kdtree.models.kimi_k2.cache import fp8_quantize
 from torch_kdtree.ops import ddtree_build, mla_tree_attention, value_checks
 
 g = torch.Generator(device="cuda").manual_seed(0)
 
 
-def call(R, N, H, page_size, lens, prefix_ready=False):
+def call(R, N, H, page_size, lens, prefix_ready=False, fp8=False):
     max_keys = max(lens) + N
     pages_per_req = (max_keys + page_size - 1) // page_size + 1
     kv = torch.randn(R * pages_per_req, page_size, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv_scale = None
+    if fp8:  # the cache's quantiser: power-of-two scales, of many sizes here
+        rows = kv.float() * torch.exp2(torch.randint(-8, 4, kv.shape[:2] + (1,), device="cuda", generator=g).float())
+        kv, kv_scale = fp8_quantize(rows)
     bt = torch.randperm(R * pages_per_req, device="cuda", generator=g).to(torch.int32).view(R, pages_per_req)
     q = torch.randn(R, N, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     if N > 1:
@@ -22,8 +29,9 @@ def call(R, N, H, page_size, lens, prefix_ready=False):
     else:
         vis = torch.ones(R, 1, 1, device="cuda", dtype=torch.bool)
     lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
-    out, lse = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True)
-    out2, lse2 = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True, prefix_ready=True)
+    out, lse = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True, kv_scale=kv_scale)
+    out2, lse2 = mla_tree_attention(q, kv, bt, lens_t, vis, 0.1447, return_lse=True, prefix_ready=True,
+                                    kv_scale=kv_scale)
     same = torch.equal(out, out2) and torch.equal(lse, lse2)
     return f"{out.float().abs().sum().item()} {'same' if same else 'MISMATCH with prefix_ready'}"
 
@@ -33,5 +41,11 @@ with value_checks(False):
     print(call(3, 1, 16, 16, [31, 40, 64]))   # 16-row tile: key tiles whole, cut by the length, none
     print(call(1, 5, 16, 7, [1500]))          # 64-row tile (80 rows: one partial block), page size 7
     print(call(1, 9, 64, 64, [100]))          # 576 rows, one split, tree tiles
+    # fp8 cache
+    print(call(2, 1, 8, 16, [1200, 40], fp8=True))     # 16-row tile, several splits, an early-exiting split
+    print(call(3, 1, 16, 1, [31, 40, 64], fp8=True))   # page size 1: every row through its own table entry
+    print(call(1, 5, 16, 7, [1500], fp8=True))         # 64-row tile, one partial block, page size 7
+    print(call(2, 17, 8, 64, [3000, 65], fp8=True))    # 64-row tile, splits, a tree over page edges
+    print(call(1, 65, 64, 64, [100], fp8=True))        # 4160 rows, one split
 torch.cuda.synchronize()
 print("ok")

@@ -208,7 +208,8 @@ class DDTreeGenerationMixin(GenerationMixin):
             page_size: tokens per page of the paged latent cache.
             kv_cache_dtype: the latent cache's storage, as vLLM / SGLang name it: ``"auto"`` (the
                 model's dtype), ``"fp8"`` / ``"fp8_e4m3"`` (e4m3 with one fp32 scale per token and
-                layer, docs/kimi_k2.md; attention runs in torch ops until the MLA kernels read fp8),
+                layer, docs/kimi_k2.md; tree and decode steps attend through mla_tree_attention
+                where its kernel is, in torch ops elsewhere),
                 or ``"bfloat16"`` / ``"float16"`` / ``"float32"``.
             prefill_chunk_size (a kwarg or GenerationConfig field, transformers' name): prompt
                 tokens per prefill pass; longer prompts are prefilled chunk by chunk, each chunk

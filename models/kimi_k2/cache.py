@@ -14,8 +14,8 @@ range below the max, so one scale serves the latent and rope parts alike, and a 
 the dequantised values exact in bf16 (an attention kernel may dequantise into its bf16 operands
 without rounding).  The rows stay 576 bytes, 16-byte aligned, and the scales a tensor of their own,
 so ``kv_commit`` moves both as they are (:meth:`KimiK2Cache.commit`).  Writes quantise, reads
-dequantise to the compute ``dtype``; the MLA kernels do not read fp8 yet (the decode plan sends
-attention to its torch form).  Moving an fp8 cache (``.to(device)``, ``.cuda()``) moves its rows and
+dequantise to the compute ``dtype``; ``kdtree::mla_tree_attention`` reads the rows as stored, with
+``kv_scale[layer]`` (the decode plan's ``tree_op`` form), the other MLA kernels bf16 rows only.  Moving an fp8 cache (``.to(device)``, ``.cuda()``) moves its rows and
 scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's cast) keeps the e4m3 rows and
 fp32 scales and changes only the dtype reads dequantise to.  A 16-bit or fp32 cache is cast as any
 module's buffers are, but never to a float8 dtype (that would drop the scales: build the cache with

@@ -83,7 +83,9 @@ def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None
             q_abs = (q_nope.float()[..., :, None] * w_uk.float()).sum(-2).to(x.dtype)
         else:
             q_abs = torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk)
-        q = torch.cat([q_abs, q_rope], dim=-1).to(cache.kv.dtype)
+        # the kernel's query dtype: the cache rows' (bf16 / fp32), or over fp8 rows the compute dtype
+        # reads dequantise to (the plan takes tree_op over fp8 only where the kernel takes it)
+        q = torch.cat([q_abs, q_rope], dim=-1).to(cache.dtype if cache.quantized else cache.kv.dtype)
     # prefix_ready: the kernels just before this one write only q and the new tokens' rows; the
     # lengths, block table and committed rows date from earlier steps.
     if lp.attention == "prepare_output":  # the attention and W_UV in one op (its merge kernel)
@@ -92,7 +94,8 @@ def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None
                                         prefix_ready=True).to(x.dtype)
         return _o_proj(attn, out.reshape(R, N, -1), residual, mv)
     o_lat = mla_tree_attention(q, cache.layer(layer_idx), cache.block_table, cache.lengths, batch.visible,
-                               attn.softmax_scale, prefix_ready=True)
+                               attn.softmax_scale, prefix_ready=True,
+                               kv_scale=cache.kv_scale[layer_idx] if cache.quantized else None)
     if products_as_matvec(mv, w_uv):
         out = (o_lat.float()[..., None, :] * w_uv.float()).sum(-1).to(x.dtype)
     else:

@@ -16,10 +16,11 @@ kernels=ALL))`` runs the fused forms on the CPU, through the ops' reference kern
 Field values:
 
 - ``attention``: ``expanded`` (prefill: K/V per head, SDPA), ``torch`` (absorbed MQA over the
-  paged cache in torch ops: any latent size, an fp8 cache), ``tree_op`` (``kdtree::mla_tree_attention``, K2's
-  512 + 64 latent), ``prepare`` (``mla_prepare`` then ``mla_tree_attention``), ``prepare_output``
-  (``mla_prepare`` then ``mla_tree_attention_output``), ``decode`` (``mla_decode``: all of it in one
-  launch, one token per request).
+  paged cache in torch ops: any latent size, any cache), ``tree_op`` (``kdtree::mla_tree_attention``,
+  K2's 512 + 64 latent; the only kernel form over an fp8 cache, whose e4m3 rows and scales it reads),
+  ``prepare`` (``mla_prepare`` then ``mla_tree_attention``), ``prepare_output`` (``mla_prepare`` then
+  ``mla_tree_attention_output``), ``decode`` (``mla_decode``: all of it in one launch, one token per
+  request).
 - ``qkv``: ``gemv_norm`` (the input RMSNorm inside the q_a / kv_a ``kdtree::gemv`` launch,
   q_a_layernorm inside q_b's, the residual add inside o_proj's) or ``torch``.
 - ``mlp`` (dense layers): ``gemv_norm`` (the norm inside gate/up's launch, SwiGLU and the
@@ -71,8 +72,10 @@ GATHER_LIMIT = 1 << 26
 RANK_TOPK_MAX = 1 << 22
 # The latent row mla_tree_attention and its relatives read: 512 latent + 64 rope.
 MLA_LATENT, MLA_ROPE = 512, 64
-# The MLA kernels that read or write the latent cache rows (none reads fp8 yet).
-MLA_FORMS = ("tree_op", "prepare", "prepare_output", "decode")
+# The attention forms whose MLA kernels read or write the latent cache as bf16 rows only (mla_prepare's
+# cache write, mla_decode, mla_tree_attention_output): refused over an fp8 cache.  ``tree_op``
+# (mla_tree_attention) reads fp8 rows with their scales; the torch quantiser writes them.
+MLA_FORMS = ("prepare", "prepare_output", "decode")
 FP8 = torch.float8_e4m3fn
 
 ALL = "all"  # Target.kernels: pretend every kdtree kernel exists (tests run fused forms on the CPU)
@@ -252,11 +255,6 @@ class _Planner:
             elif (_plain_bf16(layer.input_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj, *projections)
                   and _gemv_takes(attn.kv_a_proj_with_mqa, attn.o_proj, *projections[::2])):
                 qkv = "gemv_norm"
-        if self.fp8_cache:
-            if t.has("mla_tree_attention"):
-                self.note("fp8 latent cache: the MLA kernels do not read fp8 yet: tree attention in torch ops "
-                          "over dequantised rows")
-            return "torch", qkv
         dc, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
         if not (dc == MLA_LATENT and dr == MLA_ROPE):
             if t.has("mla_tree_attention"):
@@ -265,6 +263,14 @@ class _Planner:
             return "torch", qkv
         if not t.has("mla_tree_attention"):
             return "torch", qkv
+        if self.fp8_cache:
+            if t.device == "cuda" and not self.bf16:
+                self.note(f"fp8 latent cache, {str(self.dtype).replace('torch.', '')} compute: "
+                          f"mla_tree_attention's CUDA kernel takes a bf16 query: tree attention in torch ops")
+                return "torch", qkv
+            self.note("fp8 latent cache: mla_tree_attention reads the e4m3 rows and their scales (tree_op, the rows "
+                      "written by the torch quantiser); mla_prepare and mla_decode read / write bf16 rows only")
+            return "tree_op", qkv
         prepared = (t.has("mla_prepare") and self.bf16 and self.rows <= PREPARE_ROWS
                     and _plain_bf16(attn.kv_b_proj, attn.kv_a_layernorm)
                     and attn.qk_nope_head_dim <= 256 and attn.v_head_dim <= 256)
@@ -369,7 +375,7 @@ def plan_pass(model, *, tokens: int, rows: int, tree: bool, target: Target, dtyp
     ``KimiK2Model``): ``tokens`` per request, ``rows`` = requests * tokens, a ``tree`` (absorbed)
     pass or a prefill, on ``target``, in ``dtype`` (default: the model's), over a cache of
     ``cache_keys`` positions per request (its block table's reach; mla_decode's limit) stored in
-    ``kv_cache_dtype`` (``cache.kv.dtype``; None: ``dtype``; fp8 keeps attention in torch ops)."""
+    ``kv_cache_dtype`` (``cache.kv.dtype``; None: ``dtype``; over fp8 the kernel form is ``tree_op``)."""
     inner = getattr(model, "model", model)
     dtype = dtype or next(inner.parameters()).dtype
     planner = _Planner(inner, tokens=tokens, rows=rows, tree=tree, target=target, dtype=dtype, cache_keys=cache_keys,

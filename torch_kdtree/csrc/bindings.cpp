@@ -57,11 +57,14 @@ TORCH_LIBRARY(kdtree, m) {
   // tree node j (stored at cache_lens[r] + j) iff visible[r, i, j].
   // prefix_ready: cache_lens, block_table and the committed rows [0, cache_lens) were written two or
   // more kernels before this one, so the CUDA kernel may read them before its programmatic-launch wait.
+  // kv_scale: with a float8_e4m3fn kv_cache (an fp8 latent cache), its float32 [num_pages, page_size]
+  // per-row scales (key = row * scale); None with a bf16 / fp32 cache.
   m.def("mla_tree_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
-        " Tensor visible, float softmax_scale, bool prefix_ready=False) -> Tensor");
+        " Tensor visible, float softmax_scale, bool prefix_ready=False, Tensor? kv_scale=None) -> Tensor");
   // Same, into caller-owned out [R, N, H, 512] and optionally lse float32 [R, N, H] (natural log).
   m.def("mla_tree_attention_out(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_lens,"
-        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse, bool prefix_ready=False) -> ()");
+        " Tensor visible, float softmax_scale, Tensor(a!) out, Tensor(b!)? lse, bool prefix_ready=False,"
+        " Tensor? kv_scale=None) -> ()");
 
   // RoPE, kv_a_layernorm, the cache write (in place, at kv_cache[layer] and the flat slots) and the
   // W_UK absorption of a decode / tree-verify pass: the query [M, h, dc + dr] of mla_tree_attention

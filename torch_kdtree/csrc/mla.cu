@@ -36,6 +36,43 @@
 // combine kernel (4 blocks per row, 128 dims each; 8 warps each summing every 8th split, then
 // added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
+//
+// An fp8 cache (template parameter F8; kv_cache float8_e4m3fn rows of 576 B + kv_scale fp32
+// [num_pages, page_size], power-of-two scales, models/kimi_k2/cache.py): the key tile is copied as
+// it is stored -- 36 16-byte cp.async per row through the block table (4 threads per row, 9 chunks
+// each) plus one 4-byte cp.async of the row's scale -- into an fp8 ring, then each thread converts
+// the chunks it copied into ONE bf16 key tile in kv_off's layout, exactly the dequantised keys
+// (e4m3x4_to_bf16x4: PRMT / shift / mask puts each code's bits in a bf16 as value·2^-120, two bf16
+// multiplies by 2^120 and by the scale; an e4m3 value times a power of two is exact in bf16), and
+// the S = Q·Kᵀ / P·V code runs on that tile unchanged.  So an fp8 call gives the same bits as a bf16
+// call on the dequantised cache (same tiles and splits: they depend on shapes only).
+//   Staging: the ring holds STAGES fp8 stages (BN·576 B rows + BN·4 B scales) beside one bf16 tile,
+//   which is the bf16 ring's bytes: 2 fp8 stages + 1 bf16 tile = 2 bf16 stages (+ BN·8 B of scales).
+//   Small: Q 18,432 + bf16 tile 36,864 + 2 x (18,432 + 128) + P 1,024 + 256 = 93,696 B (bf16:
+//   93,440; 2 CTAs/SM on sm_90, fits sm_120's 99 KB).  Large: 73,728 + 73,728 + 2 x (36,864 + 256)
+//   + 8,192 + 1,024 = 230,912 B (bf16: 230,400) of sm_90's 232,448 opt-in.  No in-place conversion
+//   (an fp8 tile in the upper half of its own bf16 stage would be overwritten while unread unless
+//   converted in dependency order or through registers, which the Large tile does not have).
+//   Order per tile j: wait for tile j's copies, barrier (every warp done with tile j - 1's bf16
+//   keys; the scales, copied by other threads, visible), issue tile j + 1's copies into the other
+//   fp8 stage, convert tile j, barrier, compute -- the copy of j + 1 overlaps conversion and compute
+//   of j as in the bf16 ring; one barrier more per tile.
+//   Registers (ptxas -v, CUDA 13.0): fp8 Small 148 (sm_90) / 174 (sm_120), fp8 Large 255 on sm_90,
+//   no spills; the conversion re-reads %tid.x so that its addresses are not held across the loop
+//   (with tid hoisted the Large tile spilled 16 B).  bf16 instantiations unchanged (194 / 255 / 182).
+//   What bounds it: the conversion is ~46 thread instructions per 16-byte chunk (LDS.128, 4 x (2
+//   PRMT, 2 shifts, 2 LOP3, 4 HMUL2.BF16), 2 STS.128, addresses), ~2.9 per byte or ~52 warp
+//   instructions per key.  An H200 SM's share of the read bandwidth (4.23 TB/s / 132 SMs / 1.98
+//   GHz ~ 16 B/clk) brings a 580-byte fp8 key every ~36 clk, 143 warp-instruction issue slots
+//   (4 schedulers): the conversion takes ~36 % of them and the 16-row tile's own mma / ldmatrix /
+//   softmax work ~25 warp instructions per key another ~18 %, so decode (N·H <= 16) can stream at
+//   the fp8 byte rate only if 8 warps per SM hide the latencies; expect it issue- and latency-bound
+//   at some fraction of that rate (well above the bf16 kernel's keys/s, short of 2x) [calc, not
+//   measured].  Verify-sized tiles (64 rows, 8 warps): ~415 warp instructions per warp per 64-key
+//   tile on top of ~500 (still far below the ~4.7k-cycle ldmatrix bound above), and 110 KB of
+//   shared-memory traffic on top of ~600 KB of ldmatrix: expect compute-bound cells up to ~20 %
+//   slower per key than bf16 (a smaller cache, not a faster verify) [calc].
+//   e4m3fn's NaN codes read as ±480·scale (the cache's quantiser clamps to ±448: never written).
 #include "bf16_vec.cuh"
 #include "check.h"
 #include "cp_async.cuh"
@@ -59,6 +96,8 @@ constexpr int kD = 576;               // key dim: 512 latent + 64 rope
 constexpr int kDV = 512;              // value dim: the latent part of the same row
 constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
 constexpr int kRowBytes = kD * 2;     // 1152
+constexpr int kF8RowBytes = kD;       // 576: an e4m3 row, 36 16-byte chunks
+constexpr int kF8RowChunks = kF8RowBytes / 16;
 // Fewest keys per split (a split costs its Q load and an fp32 partial O + its combine); the
 // split count itself comes from choose_splits' wave model.
 constexpr int kMinChunk = 64;
@@ -71,7 +110,7 @@ constexpr float kLog2e = 1.44269504088896341f;
 
 struct Params {
   const __nv_bfloat16* q;      // [R, M, 576]
-  const __nv_bfloat16* kv;     // [num_pages, page_size, 576]
+  const __nv_bfloat16* kv;     // [num_pages, page_size, 576]: bf16, or e4m3 bytes (the fp8 instantiation)
   const int32_t* block_table;  // [R, max_pages]
   const int32_t* cache_lens;   // [R]
   const bool* visible;         // [R, N, N]
@@ -86,6 +125,7 @@ struct Params {
   int num_splits;
   bool early;                  // committed key tiles copied before pdl_wait (prefix_ready)
   float scale_log2;            // softmax_scale * log2(e)
+  const float* kv_scale;       // [num_pages, page_size] (fp8: key = row * scale)
 };
 
 // Barrier for the 128 threads (4 warps) of one row group; id 0 is __syncthreads'.
@@ -120,6 +160,36 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// 4-byte cp.async (through L1; .cg copies 16 bytes only): an fp8 key row's scale.  src_bytes = 0
+// writes a zero.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// Four e4m3 codes (one 32-bit word, code k in byte k) times a power-of-two scale -> four bf16 in
+// two words (code 2i + k in half k of word i), exactly: each code's 7 magnitude bits shifted into
+// a bf16's exponent-and-mantissa field (and its sign into bf16's) is the code's value times 2^-120
+// for normal codes and subnormal ones alike (bf16 and e4m3 both have an implicit-1 form and a
+// subnormal form; the exponent biases differ by 120), so one bf16 multiply by 2^120 gives the
+// code's value (a normal bf16: e4m3's smallest subnormal is 2^-9) and a second one by the scale the
+// dequantised key -- exact, as the product of a 4-significant-bit value and a power of two is
+// while it stays in bf16's normal range (scales in [2^-117, 2^118]; the cache's quantiser writes
+// 2^ceil(log2(max|row| / 448))).  e4m3fn's NaN code (0x7f / 0xff) reads as ±480·scale, never NaN:
+// the quantiser clamps to ±448, so only a NaN entry writes it.  PRMT's sign-replicate selectors
+// put each code in the low byte of a 16-bit half and its sign in all 8 bits above it; << 4 then
+// moves the code to bits 4..11 and a copy of the sign to bit 15, and the mask keeps bits 4..10
+// (magnitude) and 15 (sign) of each half.
+__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w, __nv_bfloat162 scale) {
+  uint32_t lo, hi;
+  asm("prmt.b32 %0, %1, 0, 0x9180;\n" : "=r"(lo) : "r"(w));
+  asm("prmt.b32 %0, %1, 0, 0xB3A2;\n" : "=r"(hi) : "r"(w));
+  lo = (lo << 4) & 0x87F087F0u;
+  hi = (hi << 4) & 0x87F087F0u;
+  const __nv_bfloat162 two120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
+  __nv_bfloat162 a = __hmul2(__hmul2(*reinterpret_cast<__nv_bfloat162*>(&lo), two120), scale);
+  __nv_bfloat162 b = __hmul2(__hmul2(*reinterpret_cast<__nv_bfloat162*>(&hi), two120), scale);
+  return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+}
+
 // Byte offset of 16-byte chunk c of row `row` in a [rows][72 chunks] tile (Q or K).  The 1152 B
 // pitch is a multiple of 128 B, so the 8 rows an ldmatrix reads would share banks; XOR-ing the
 // chunk with row & 7 (which stays inside its group of 8 chunks, 72 = 9·8) spreads them.
@@ -133,7 +203,10 @@ __device__ __forceinline__ uint32_t p_off(int row, int c) {
   return uint32_t(row * BN * 2 + ((c ^ ((row / (8 / kCP)) & (kCP - 1))) << 4));
 }
 
-template <int MT, int RG, int BN, int STAGES>
+// F8: the cache is e4m3 rows + fp32 scales.  Its STAGES-deep ring holds the fp8 rows and their
+// scales (kF8Stage bytes a stage) beside one bf16 key tile that each tile is converted into
+// (header: "An fp8 cache"); the bf16 cache's ring holds bf16 tiles.
+template <int MT, int RG, int BN, int STAGES, bool F8>
 struct Tile {
   static constexpr int kWarps = RG * 4;
   static constexpr int kThreads = kWarps * 32;
@@ -142,11 +215,14 @@ struct Tile {
   static constexpr int kNT = kKW / 8;  // n8 tiles per warp in S
   static constexpr int kQBytes = kBM * kRowBytes;
   static constexpr int kKBytes = BN * kRowBytes;
+  static constexpr int kF8Stage = BN * (kF8RowBytes + 4);  // fp8 rows, then their scales
+  static constexpr int kKRegion = F8 ? kKBytes + STAGES * kF8Stage : STAGES * kKBytes;
   static constexpr int kPBytes = kBM * BN * 2;
-  static constexpr int kSmem = kQBytes + STAGES * kKBytes + kPBytes + 4 * kBM * 4;
+  static constexpr int kSmem = kQBytes + kKRegion + kPBytes + 4 * kBM * 4;
   static_assert(kNT == 1 || kNT == 2, "a warp's S slice is one or two n8 tiles");
-  static_assert(BN % (kThreads / 8) == 0, "key loads: 8 threads per key row");
+  static_assert(BN % (kThreads / (F8 ? 4 : 8)) == 0, "key loads: 8 threads per bf16 key row, 4 per fp8 row");
   static_assert(STAGES >= 2, "double buffering at least");
+  static_assert(kF8Stage % 16 == 0, "fp8 stages stay 16-byte aligned");
 };
 
 // Split s of request r covers keys [begin, end); empty when begin >= end.
@@ -158,14 +234,15 @@ __device__ __forceinline__ void split_range(int total, int splits, int s, int bn
   end = min(total, begin + chunk);
 }
 
-template <int MT, int RG, int BN, int STAGES>
+template <int MT, int RG, int BN, int STAGES, bool F8>
 __device__ __forceinline__ void attention_tile_loop(const Params& p) {
-  using T = Tile<MT, RG, BN, STAGES>;
+  using T = Tile<MT, RG, BN, STAGES, F8>;
   constexpr int kBM = T::kBM, kKW = T::kKW, kNT = T::kNT;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK = sQ + T::kQBytes;
-  uint8_t* sP_ptr = smem + T::kQBytes + STAGES * T::kKBytes;
+  const uint32_t sK = sQ + T::kQBytes;          // bf16: the ring; fp8: the one bf16 tile
+  uint8_t* sF8_ptr = smem + T::kQBytes + T::kKBytes;  // fp8: the ring (stage s at s * kF8Stage)
+  uint8_t* sP_ptr = smem + T::kQBytes + T::kKRegion;
   const uint32_t sP = smem_u32(sP_ptr);
   float* sRed = reinterpret_cast<float*>(sP_ptr + T::kPBytes);  // [4][BM]: row maxima, then row sums
 
@@ -203,25 +280,80 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int n_tiles = (k_end - k_begin + BN - 1) / BN;
   const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
   auto load_tile = [&](int tile, int stage) {
-    constexpr int kKeysPerPass = T::kThreads / 8;
-    const uint32_t dst = sK + stage * T::kKBytes;
-    const int sub = tid & 7;
+    if constexpr (F8) {
+      // 4 threads per key: the 36 chunks of the e4m3 row (thread sub takes chunks sub + 4i, the
+      // ones it converts) and, from sub 0, the row's scale (after the tile's rows)
+      constexpr int kKeysPerPass = T::kThreads / 4;
+      const uint32_t dst = smem_u32(sF8_ptr) + stage * T::kF8Stage;
+      const int sub = tid & 3;
 #pragma unroll
-    for (int pass = 0; pass < BN / kKeysPerPass; ++pass) {
-      const int key = pass * kKeysPerPass + (tid >> 3);
-      const int pos = k_begin + tile * BN + key;
-      const __nv_bfloat16* src = p.kv;
-      int bytes = 0;
-      if (pos < k_end) {  // pos < max_keys, so pos / page_size < max_pages
-        const int lp = pos / p.page_size;
-        const int page = __ldcg(bt_r + lp);
-        if (page >= 0 && page < p.num_pages) {
-          src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kD;
-          bytes = 16;
+      for (int pass = 0; pass < BN / kKeysPerPass; ++pass) {
+        const int key = pass * kKeysPerPass + (tid >> 2);
+        const int pos = k_begin + tile * BN + key;
+        int64_t row = -1;  // page * page_size + slot; -1: zero-fill
+        if (pos < k_end) {  // pos < max_keys, so pos / page_size < max_pages
+          const int lp = pos / p.page_size;
+          const int page = __ldcg(bt_r + lp);
+          if (page >= 0 && page < p.num_pages) row = int64_t(page) * p.page_size + (pos - lp * p.page_size);
+        }
+        const int bytes = row >= 0 ? 16 : 0;
+        const uint8_t* kv8 = reinterpret_cast<const uint8_t*>(p.kv);
+        const uint8_t* src = row >= 0 ? kv8 + row * kF8RowBytes : kv8;
+#pragma unroll
+        for (int c = sub; c < kF8RowChunks; c += 4)
+          cp_async16(dst + key * kF8RowBytes + c * 16, bytes ? src + c * 16 : kv8, bytes);
+        if (sub == 0)
+          cp_async4(dst + BN * kF8RowBytes + key * 4, row >= 0 ? p.kv_scale + row : p.kv_scale, row >= 0 ? 4 : 0);
+      }
+    } else {
+      constexpr int kKeysPerPass = T::kThreads / 8;
+      const uint32_t dst = sK + stage * T::kKBytes;
+      const int sub = tid & 7;
+#pragma unroll
+      for (int pass = 0; pass < BN / kKeysPerPass; ++pass) {
+        const int key = pass * kKeysPerPass + (tid >> 3);
+        const int pos = k_begin + tile * BN + key;
+        const __nv_bfloat16* src = p.kv;
+        int bytes = 0;
+        if (pos < k_end) {  // pos < max_keys, so pos / page_size < max_pages
+          const int lp = pos / p.page_size;
+          const int page = __ldcg(bt_r + lp);
+          if (page >= 0 && page < p.num_pages) {
+            src = p.kv + (int64_t(page) * p.page_size + (pos - lp * p.page_size)) * kD;
+            bytes = 16;
+          }
+        }
+#pragma unroll
+        for (int c = sub; c < kRowChunks; c += 8) cp_async16(dst + kv_off(key, c), bytes ? src + c * 8 : p.kv, bytes);
+      }
+    }
+  };
+  // fp8: the tile in ring stage `stage` -> the bf16 key tile at sK (kv_off's layout), each thread
+  // converting the 16-byte chunks it copied itself; the scales were copied by other threads, so the
+  // caller has passed a barrier since the copies' wait.
+  auto convert_tile = [&](int stage) {
+    if constexpr (F8) {
+      constexpr int kKeysPerPass = T::kThreads / 4;
+      const uint8_t* src = sF8_ptr + stage * T::kF8Stage;
+      const float* scales = reinterpret_cast<const float*>(src + BN * kF8RowBytes);
+      uint8_t* dst = smem + T::kQBytes;
+      int tid_v;  // re-read here: keeps the conversion's addresses out of the registers live across the loop
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_v));
+      const int sub = tid_v & 3;
+#pragma unroll
+      for (int pass = 0; pass < BN / kKeysPerPass; ++pass) {
+        const int key = pass * kKeysPerPass + (tid_v >> 2);
+        const unsigned short sb = (unsigned short)(__float_as_uint(scales[key]) >> 16);  // a power of two: exact
+        const __nv_bfloat162 scale = __halves2bfloat162(__ushort_as_bfloat16(sb), __ushort_as_bfloat16(sb));
+#pragma unroll
+        for (int c = sub; c < kF8RowChunks; c += 4) {
+          const uint4 w = *reinterpret_cast<const uint4*>(src + key * kF8RowBytes + c * 16);
+          const uint2 a = e4m3x4_to_bf16x4(w.x, scale), b = e4m3x4_to_bf16x4(w.y, scale);
+          const uint2 e = e4m3x4_to_bf16x4(w.z, scale), f = e4m3x4_to_bf16x4(w.w, scale);
+          *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c)) = make_uint4(a.x, a.y, b.x, b.y);
+          *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c + 1)) = make_uint4(e.x, e.y, f.x, f.y);
         }
       }
-#pragma unroll
-      for (int c = sub; c < kRowChunks; c += 8) cp_async16(dst + kv_off(key, c), bytes ? src + c * 8 : p.kv, bytes);
     }
   };
   // ---- loads ----
@@ -283,7 +415,11 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       if (nt < n_tiles && nt >= pre) load_tile(nt, nt % STAGES);
       cp_async_commit();
     }
-    const uint32_t sKs = sK + (j % STAGES) * T::kKBytes;
+    if constexpr (F8) {  // every warp is done with tile j - 1's bf16 keys (the barrier above)
+      convert_tile(j % STAGES);
+      __syncthreads();  // tile j's bf16 keys complete
+    }
+    const uint32_t sKs = F8 ? sK : sK + (j % STAGES) * T::kKBytes;
 
     // S = Q·Kᵀ for rows of this row group x keys [dq·KW, dq·KW + KW) of the tile
     auto qk_step = [&](int ks, float (&acc)[MT][kNT][4]) {
@@ -450,19 +586,19 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
 
 constexpr int kSm120SmemPerBlock = 101376;
 
-template <int MT, int RG, int BN, int STAGES>
-__global__ void __launch_bounds__(Tile<MT, RG, BN, STAGES>::kThreads, RG == 1 ? 2 : 1)
+template <int MT, int RG, int BN, int STAGES, bool F8>
+__global__ void __launch_bounds__(Tile<MT, RG, BN, STAGES, F8>::kThreads, RG == 1 ? 2 : 1)
 mla_tree_attention_kernel(const Params p) {
   // programmatic dependent launch (pdl.cuh): attention_tile_loop waits after its first key copies
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
   // The host launches a tile only where the device's opt-in shared memory holds it, so tiles
   // larger than sm_120's 99 KB are never compiled for it.
-  if constexpr (Tile<MT, RG, BN, STAGES>::kSmem <= kSm120SmemPerBlock)
-    attention_tile_loop<MT, RG, BN, STAGES>(p);
+  if constexpr (Tile<MT, RG, BN, STAGES, F8>::kSmem <= kSm120SmemPerBlock)
+    attention_tile_loop<MT, RG, BN, STAGES, F8>(p);
   else
     __trap();
 #else
-  attention_tile_loop<MT, RG, BN, STAGES>(p);
+  attention_tile_loop<MT, RG, BN, STAGES, F8>(p);
 #endif
 }
 
@@ -648,13 +784,15 @@ size_t combine_smem_bytes(int splits) {
 // host side
 // ------------------------------------------------------------------------------------------------
 
-using SmallTile = Tile<1, 1, 32, 2>;
-using LargeTile = Tile<2, 2, 64, 2>;
+template <bool F8>
+using SmallTile = Tile<1, 1, 32, 2, F8>;
+template <bool F8>
+using LargeTile = Tile<2, 2, 64, 2, F8>;
 
-template <int MT, int RG, int BN, int STAGES>
+template <int MT, int RG, int BN, int STAGES, bool F8>
 void launch_attention(const Params& p, int row_blocks, int R, cudaStream_t stream) {
-  using T = Tile<MT, RG, BN, STAGES>;
-  auto kernel = mla_tree_attention_kernel<MT, RG, BN, STAGES>;
+  using T = Tile<MT, RG, BN, STAGES, F8>;
+  auto kernel = mla_tree_attention_kernel<MT, RG, BN, STAGES, F8>;
   // Idempotent (not stream work, so allowed while capturing): more than 48 KB of dynamic shared
   // memory, and the largest shared-memory carveout so that two small tiles fit on an sm_90 SM.
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem));
@@ -700,11 +838,13 @@ struct AttentionRun {
 template <typename MakeOut>
 AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
-                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready);
+                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready,
+                                   const std::optional<at::Tensor>& kv_scale);
 
 void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                  const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
-                                 at::Tensor out, const std::optional<at::Tensor>& lse, bool prefix_ready) {
+                                 at::Tensor out, const std::optional<at::Tensor>& lse, bool prefix_ready,
+                                 const std::optional<at::Tensor>& kv_scale) {
   constexpr const char* op = "kdtree::mla_tree_attention";
   check_cuda(q, "q", at::kBFloat16, 4);
   check_cuda(out, "out", at::kBFloat16, 4);
@@ -714,7 +854,7 @@ void mla_tree_attention_out_cuda(const at::Tensor& q, const at::Tensor& kv_cache
   KD_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0, op, ": q, kv_cache and out must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(q.device());
   AttentionRun run = launch_tree_attention(q, kv_cache, block_table, cache_lens, visible, softmax_scale,
-                                           [&](int) { return out; }, lse, prefix_ready);
+                                           [&](int) { return out; }, lse, prefix_ready, kv_scale);
   if (run.splits > 1) {
     const int64_t R = q.size(0), M = q.size(1) * q.size(2);
     const dim3 blocks(unsigned(R * M), unsigned(kDV / kCombineDims));  // R * M < 2^31 (checked)
@@ -738,6 +878,8 @@ at::Tensor mla_tree_attention_output_cuda(const at::Tensor& q, const at::Tensor&
            ": w_kv_b must be [H * (dn + dv), ", kDV, "] with H = ", H, ", dn = ", dn, ", dv >= 1, got ",
            w_kv_b.sizes());
   KD_CHECK(reinterpret_cast<uintptr_t>(w_kv_b.data_ptr()) % 16 == 0, op, ": w_kv_b must be 16-byte aligned");
+  KD_CHECK(kv_cache.scalar_type() == at::kBFloat16, op, ": kv_cache must be BFloat16, got ", kv_cache.scalar_type(),
+           " (an fp8 cache is read by mla_tree_attention with its kv_scale)");
   const int64_t dv = w_kv_b.size(0) / H - dn;
   KD_CHECK(R * N <= 65535 && H * ((dv + kOutRows - 1) / kOutRows) <= INT32_MAX, op,
            ": at most 65535 (request, node) tokens, got R * N = ", R * N);
@@ -750,7 +892,7 @@ at::Tensor mla_tree_attention_output_cuda(const at::Tensor& q, const at::Tensor&
         o_lat = splits > 1 ? at::Tensor() : at::empty({R, N, H, kDV}, q.options());
         return o_lat;
       },
-      std::nullopt, prefix_ready);
+      std::nullopt, prefix_ready, std::nullopt);
   if (R * N == 0) return out;
   const int bph = int((dv + kOutRows - 1) / kOutRows);
   launch_kernel(mla_merge_output_kernel, dim3(unsigned(H * bph), unsigned(R * N)), dim3(kOutWarps * 32), 0,
@@ -766,10 +908,26 @@ at::Tensor mla_tree_attention_output_cuda(const at::Tensor& q, const at::Tensor&
 template <typename MakeOut>
 AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
-                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready) {
+                                   MakeOut make_out, const std::optional<at::Tensor>& lse, bool prefix_ready,
+                                   const std::optional<at::Tensor>& kv_scale) {
   constexpr const char* op = "kdtree::mla_tree_attention";
   check_cuda(q, "q", at::kBFloat16, 4);
-  check_cuda(kv_cache, "kv_cache", at::kBFloat16, 3);
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  KD_CHECK(kv_cache.scalar_type() == at::kBFloat16 || fp8, op, ": kv_cache must be BFloat16 or Float8_e4m3fn (with "
+           "kv_scale), got ", kv_cache.scalar_type());
+  check_cuda(kv_cache, "kv_cache", kv_cache.scalar_type(), 3);
+  if (fp8) {
+    KD_CHECK(kv_scale.has_value(), op, ": kv_scale is required with a Float8_e4m3fn kv_cache (float32 [num_pages, "
+             "page_size], the layer's per-token scales)");
+    check_cuda(*kv_scale, "kv_scale", at::kFloat, 2);
+    KD_CHECK(kv_scale->size(0) == kv_cache.size(0) && kv_scale->size(1) == kv_cache.size(1), op,
+             ": kv_scale must be float32 [num_pages, page_size] = [", kv_cache.size(0), ", ", kv_cache.size(1),
+             "], got ", kv_scale->sizes());
+    KD_CHECK(kv_scale->device() == q.device(), op, ": all inputs must be on one device");
+  } else {
+    KD_CHECK(!kv_scale.has_value(), op, ": kv_scale is given but kv_cache is ", kv_cache.scalar_type(),
+             ": scales belong to a Float8_e4m3fn cache");
+  }
   check_cuda(block_table, "block_table", at::kInt, 2);
   check_cuda(cache_lens, "cache_lens", at::kInt, 1);
   check_cuda(visible, "visible", at::kBool, 3);
@@ -805,12 +963,13 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const bool large_fits = int64_t(prop->sharedMemPerBlockOptin) >= LargeTile::kSmem;
-  const bool large = large_fits && M > SmallTile::kBM;
-  const int bm = large ? LargeTile::kBM : SmallTile::kBM;
+  const int64_t large_smem = fp8 ? LargeTile<true>::kSmem : LargeTile<false>::kSmem;
+  const bool large_fits = int64_t(prop->sharedMemPerBlockOptin) >= large_smem;
+  const bool large = large_fits && M > SmallTile<false>::kBM;
+  const int bm = large ? LargeTile<false>::kBM : SmallTile<false>::kBM;
   const int bn = large ? 64 : 32;
   const int64_t row_blocks = (M + bm - 1) / bm;
-  const int64_t smem = large ? LargeTile::kSmem : SmallTile::kSmem;
+  const int64_t smem = large ? large_smem : (fp8 ? SmallTile<true>::kSmem : SmallTile<false>::kSmem);
   const int64_t ctas_per_sm = std::max<int64_t>(1, std::min<int64_t>(2, int64_t(prop->sharedMemPerMultiprocessor) / (smem + 1024)));
   const int64_t ctas_per_wave = int64_t(prop->multiProcessorCount) * ctas_per_sm;
   const int splits = choose_splits(R * row_blocks, ctas_per_wave, max_keys, bn);
@@ -819,7 +978,8 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   Params& p = run.p;
   p = Params{};
   p.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
-  p.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());
+  p.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());  // fp8: the e4m3 rows' bytes
+  p.kv_scale = fp8 ? kv_scale->data_ptr<float>() : nullptr;
   p.block_table = block_table.data_ptr<int32_t>();
   p.cache_lens = cache_lens.data_ptr<int32_t>();
   p.visible = visible.data_ptr<bool>();
@@ -843,20 +1003,24 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
     p.lse_part = run.lse_part.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (large)
-    launch_attention<2, 2, 64, 2>(p, int(row_blocks), int(R), stream);
+  if (large && fp8)
+    launch_attention<2, 2, 64, 2, true>(p, int(row_blocks), int(R), stream);
+  else if (large)
+    launch_attention<2, 2, 64, 2, false>(p, int(row_blocks), int(R), stream);
+  else if (fp8)
+    launch_attention<1, 1, 32, 2, true>(p, int(row_blocks), int(R), stream);
   else
-    launch_attention<1, 1, 32, 2>(p, int(row_blocks), int(R), stream);
+    launch_attention<1, 1, 32, 2, false>(p, int(row_blocks), int(R), stream);
   return run;
 }
 
 at::Tensor mla_tree_attention_cuda(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& cache_lens, const at::Tensor& visible, double softmax_scale,
-                                   bool prefix_ready) {
+                                   bool prefix_ready, const std::optional<at::Tensor>& kv_scale) {
   KD_CHECK(q.dim() == 4, "kdtree::mla_tree_attention: q must be [R, N, H, 576], got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDV}, q.options());
   mla_tree_attention_out_cuda(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, std::nullopt,
-                              prefix_ready);
+                              prefix_ready, kv_scale);
   return out;
 }
 

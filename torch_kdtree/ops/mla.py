@@ -7,6 +7,12 @@ entry is already stored at position cache_lens[r] + j) iff visible[r, i, j].
 
 :func:`mla_tree_attention_reference` is the ground truth and the CPU kernel of both ops; the
 CUDA kernel (csrc/mla.cu) is compared with it by relative error.
+
+An fp8 latent cache (models/kimi_k2/cache.py, ``kv_cache_dtype="fp8"``) is read as it is stored:
+``kv_cache`` float8_e4m3fn rows plus ``kv_scale`` float32 [num_pages, page_size] (the layer's
+per-token power-of-two scales, ``cache.kv_scale[layer]``); a key is ``row.float() * scale``, exact
+in bf16 and fp32, so the query stays bf16 (fp32 on the CPU) and the kernel's products are those of
+the dequantised cache.
 """
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ from ._checks import check_same_device, check_tensor, value_checks_active
 KV_DIM = 576  # latent (512) + rope (64): the key dimension
 V_DIM = 512  # the latent part of a cache row is the value
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+_CACHE_DTYPES = _FLOAT_DTYPES + (FP8,)
 _SCORES_PER_CHUNK = 1 << 24  # bounds the reference's float32 score tile (64 MiB)
 
 
-def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=None, lse=None) -> None:
+def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=None, lse=None, kv_scale=None) -> None:
     op = "mla_tree_attention"
     check_tensor(op, "q", q, _FLOAT_DTYPES, 4)
-    check_tensor(op, "kv_cache", kv_cache, _FLOAT_DTYPES, 3)
+    check_tensor(op, "kv_cache", kv_cache, _CACHE_DTYPES, 3)
     check_tensor(op, "block_table", block_table, torch.int32, 2)
     check_tensor(op, "cache_lens", cache_lens, torch.int32, 1)
     check_tensor(op, "visible", visible, torch.bool, 3)
@@ -35,8 +43,21 @@ def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=Non
         raise ValueError(f"{op}: q head dim must be {KV_DIM} (512 absorbed latent + 64 rope), got {D}")
     if kv_cache.shape[2] != KV_DIM:
         raise ValueError(f"{op}: kv_cache must be [num_pages, page_size, {KV_DIM}], got {tuple(kv_cache.shape)}")
-    if kv_cache.dtype != q.dtype:
-        raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if kv_cache.dtype == FP8:
+        if kv_scale is None:
+            raise ValueError(f"{op}: kv_scale is required with a {FP8} kv_cache: float32 [num_pages, page_size] = "
+                             f"{tuple(kv_cache.shape[:2])}, the layer's per-token scales (cache.kv_scale[layer])")
+        check_tensor(op, "kv_scale", kv_scale, torch.float32)
+        check_same_device(op, kv_cache=kv_cache, kv_scale=kv_scale)
+        if tuple(kv_scale.shape) != tuple(kv_cache.shape[:2]):
+            raise ValueError(f"{op}: kv_scale must be float32 [num_pages, page_size] = {tuple(kv_cache.shape[:2])} "
+                             f"(one scale per cache row), got {tuple(kv_scale.shape)}")
+    else:
+        if kv_cache.dtype != q.dtype:
+            raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+        if kv_scale is not None:
+            raise ValueError(f"{op}: kv_scale is given but kv_cache is {kv_cache.dtype}: scales belong to a {FP8} "
+                             f"cache (pass kv_scale=None)")
     if N < 1 or H < 1:
         raise ValueError(f"{op}: q must have N >= 1 nodes and H >= 1 heads, got shape {tuple(q.shape)}")
     if block_table.shape[0] != R or cache_lens.shape[0] != R:
@@ -78,8 +99,9 @@ def check_pages(op: str, num_pages: int, page_size: int, block_table: torch.Tens
                          f"in [0, {num_pages})")
 
 
-def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
-    """(out in q's dtype [R, N, H, 512], lse float32 [R, N, H]) by gathering and a float32 softmax."""
+def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale=None):
+    """(out in q's dtype [R, N, H, 512], lse float32 [R, N, H]) by gathering and a float32 softmax;
+    fp8 rows are dequantised as gathered (row.float() * scale: exact in fp32)."""
     R, N, H, _ = q.shape
     page_size = kv_cache.shape[1]
     out = torch.empty((R, N, H, V_DIM), dtype=q.dtype, device=q.device)
@@ -88,7 +110,11 @@ def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
         L = int(cache_lens[r])
         pos = torch.arange(L + N, device=q.device)
         pages = block_table[r].long()[pos // page_size]
-        keys = kv_cache[pages, pos % page_size].float()  # [L + N, 576]
+        slot = pos % page_size
+        if kv_scale is None:
+            keys = kv_cache[pages, slot].float()  # [L + N, 576]
+        else:  # gathered as bytes (index kernels need not cover float8), then dequantised
+            keys = kv_cache.view(torch.uint8)[pages, slot].view(kv_cache.dtype).float() * kv_scale[pages, slot][:, None]
         values = keys[:, :V_DIM]
         chunk = max(1, _SCORES_PER_CHUNK // (H * (L + N)))
         for n0 in range(0, N, chunk):
@@ -104,18 +130,19 @@ def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale):
 
 def mla_tree_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                  cache_lens: torch.Tensor, visible: torch.Tensor,
-                                 softmax_scale: float, prefix_ready: bool = False) -> torch.Tensor:
+                                 softmax_scale: float, prefix_ready: bool = False,
+                                 kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention`` (``prefix_ready`` is
     a scheduling hint for the CUDA kernel; it does not change the result)."""
-    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
-    return _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)[0]
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale=kv_scale)
+    return _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale)[0]
 
 
 def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse,
-                                     prefix_ready: bool = False) -> None:
+                                     prefix_ready: bool = False, kv_scale=None) -> None:
     """Pure-torch reference (and CPU kernel) of ``kdtree::mla_tree_attention_out``."""
-    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
-    o, m = _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse, kv_scale)
+    o, m = _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale)
     out.copy_(o)
     if lse is not None:
         lse.copy_(m)
@@ -123,13 +150,14 @@ def mla_tree_attention_out_reference(q, kv_cache, block_table, cache_lens, visib
 
 def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
                        visible: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
-                       return_lse: bool = False, prefix_ready: bool = False):
+                       return_lse: bool = False, prefix_ready: bool = False, kv_scale: torch.Tensor | None = None):
     """Absorbed-MLA attention of N tree nodes over one layer's paged latent KV cache.
 
     Args:
         q: [R, N, H, 576] bfloat16 (float32 accepted by the CPU kernel): per node and head the
             absorbed query q_nope·W_UK (512) followed by the rotated rope query (64). Contiguous.
-        kv_cache: [num_pages, page_size, 576], q's dtype: one layer of the latent cache, rows
+        kv_cache: [num_pages, page_size, 576], q's dtype or float8_e4m3fn (an fp8 cache, with
+            ``kv_scale``): one layer of the latent cache, rows
             ``[kv_a_layernorm(c) (512) | rope(k_rope) (64)]``; e.g. ``cache[layer]`` of the
             contiguous all-layer tensor [num_layers, num_pages, page_size, 576].
         block_table: int32 [R, max_pages], logical page -> physical page; must cover
@@ -147,6 +175,9 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             launch, may copy committed keys before waiting for that kernel (the model's passes: the
             previous kernel writes only the query and the new rows).  It never changes the result;
             leave it False when in doubt.
+        kv_scale: float32 [num_pages, page_size], required with a float8_e4m3fn ``kv_cache`` (None
+            otherwise): key = row * scale (``KimiK2Cache.kv_scale[layer]``, power-of-two scales,
+            so the dequantised keys are exact in bf16).
 
     Returns ``out`` [R, N, H, 512] = softmax(scale · q·kᵀ over the visible keys) · v with v the
     first 512 dims of each key, or ``(out, lse)`` when ``return_lse``. A row that sees no key
@@ -155,15 +186,15 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     (writes ``out`` and, when given, ``lse``; returns nothing).
     """
     if out is None and not return_lse:
-        _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
+        _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale=kv_scale)
         return torch.ops.kdtree.mla_tree_attention(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale),
-                                                   bool(prefix_ready))
+                                                   bool(prefix_ready), kv_scale)
     if out is None:
         out = q.new_empty((*q.shape[:3], V_DIM))
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
-    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse)
+    _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse, kv_scale)
     torch.ops.kdtree.mla_tree_attention_out(q, kv_cache, block_table, cache_lens, visible, float(softmax_scale),
-                                            out, lse, bool(prefix_ready))
+                                            out, lse, bool(prefix_ready), kv_scale)
     return (out, lse) if return_lse else out
 
 
@@ -176,10 +207,10 @@ torch.library.register_kernel("kdtree::mla_tree_attention_out", "cpu", mla_tree_
 
 
 @torch.library.register_fake("kdtree::mla_tree_attention")
-def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, prefix_ready=False):
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, prefix_ready=False, kv_scale=None):
     return q.new_empty((*q.shape[:3], V_DIM))
 
 
 @torch.library.register_fake("kdtree::mla_tree_attention_out")
-def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse, prefix_ready=False):
+def _(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out, lse, prefix_ready=False, kv_scale=None):
     return None

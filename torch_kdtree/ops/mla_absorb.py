@@ -212,6 +212,9 @@ def _check_attention_output(q, kv_cache, block_table, cache_lens, visible, softm
     from .mla import _check as _check_attention
 
     op = "mla_tree_attention_output"
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.float8_e4m3fn:
+        raise TypeError(f"{op}: kv_cache must be q's dtype, got {kv_cache.dtype}: an fp8 cache is read by "
+                        f"mla_tree_attention with its kv_scale (then mla_output)")
     _check_attention(q, kv_cache, block_table, cache_lens, visible, softmax_scale)
     check_tensor(op, "w_kv_b", w_kv_b, _FLOAT_DTYPES, 2)
     check_same_device(op, q=q, w_kv_b=w_kv_b)
