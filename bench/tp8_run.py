@@ -321,30 +321,13 @@ def equality_rounds(world: int, sizes) -> list:
 # part 1: equality at TP-2, TP-4, TP-8
 # --------------------------------------------------------------------------------------------
 
-def quantise_int4(model) -> None:
-    """The routed experts of ``model`` quantised to compressed-tensors INT4 (symmetric, groups of
-    32) and loaded with set_int4: tests/test_generate.int4_model's quantisation."""
-    from torch_kdtree.models.kimi_k2 import KimiK2Experts
-    from torch_kdtree.models.kimi_k2.writer import pack_int4
-
-    for experts in [m for m in model.modules() if isinstance(m, KimiK2Experts)]:
-        parts = []
-        for w in (experts.gate_proj, experts.up_proj, experts.down_proj):
-            E, N, K = w.shape
-            groups = w.detach().float().view(E, N, K // 32, 32)
-            scale = (groups.abs().amax(-1) / 7).clamp_min(1e-6).to(torch.bfloat16)
-            q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).view(E, N, K)
-            parts += [pack_int4(q), scale]
-        experts.set_int4(*parts)
-
-
 def eq_pair(seed: int, heads: int, device, dtype):
     """The equality check's target (INT4 experts) and DFlash drafter, built the same on every rank."""
     from torch_kdtree.models.dflash import random_drafter
-    from torch_kdtree.models.generation.tiny import tiny_target
+    from torch_kdtree.models.generation.tiny import quantize_experts_int4, tiny_target
 
     target = tiny_target(seed, **EQ_TARGET, num_attention_heads=heads, num_key_value_heads=heads)
-    quantise_int4(target)
+    quantize_experts_int4(target)
     c = target.config
     drafter = random_drafter(seed=seed + 1, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
                              mask_token_id=c.vocab_size - 1, num_target_layers=c.num_hidden_layers,

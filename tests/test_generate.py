@@ -133,19 +133,11 @@ def int4_model(seed: int, **overrides):
     experts quantised to compressed-tensors INT4 (symmetric, groups of 32) and loaded with
     set_int4: the model's INT4 paths (kdtree::int4_moe; on CUDA decode-sized passes fuse the
     shared expert and the residual into it, tree verifies of more than 32 slots do not)."""
+    from torch_kdtree.models.generation.tiny import quantize_experts_int4
     from torch_kdtree.models.kimi_k2 import KimiK2Experts
-    from torch_kdtree.models.kimi_k2.writer import pack_int4
-    model = tiny_target(seed, hidden_size=128, moe_intermediate_size=64, **overrides)
-    for experts in [m for m in model.modules() if isinstance(m, KimiK2Experts)]:
-        parts = []
-        for w in (experts.gate_proj, experts.up_proj, experts.down_proj):
-            E, N, K = w.shape
-            groups = w.detach().float().view(E, N, K // 32, 32)
-            scale = (groups.abs().amax(-1) / 7).clamp_min(1e-6).to(torch.bfloat16)
-            q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).view(E, N, K)
-            parts += [pack_int4(q), scale]
-        experts.set_int4(*parts)
-        assert experts.is_int4
+
+    model = quantize_experts_int4(tiny_target(seed, hidden_size=128, moe_intermediate_size=64, **overrides))
+    assert all(m.is_int4 for m in model.modules() if isinstance(m, KimiK2Experts))
     return model
 
 

@@ -56,4 +56,25 @@ def tiny_drafter(target, *, seed: int = 0, block_size: int = 4, num_hidden_layer
                           target_layer_ids=list(range(c.num_hidden_layers)))
 
 
-__all__ = ["TINY_TARGET", "tiny_target", "tiny_drafter"]
+@torch.no_grad()
+def quantize_experts_int4(model):
+    """``model``'s routed experts quantised to compressed-tensors INT4 (symmetric, groups of 32:
+    ``scale = bf16(absmax / 7)``, ``q = clamp(round(w / scale), -8, 7)``) and loaded with
+    ``set_int4``, as a K2 checkpoint's experts load (tests and benches: the INT4 paths of a random
+    model).  In place; returns ``model``."""
+    from torch_kdtree.models.kimi_k2 import KimiK2Experts
+    from torch_kdtree.models.kimi_k2.writer import pack_int4
+
+    for experts in [m for m in model.modules() if isinstance(m, KimiK2Experts)]:
+        parts = []
+        for w in (experts.gate_proj, experts.up_proj, experts.down_proj):
+            E, N, K = w.shape
+            groups = w.detach().float().view(E, N, K // 32, 32)
+            scale = (groups.abs().amax(-1) / 7).clamp_min(1e-6).to(torch.bfloat16)
+            q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).view(E, N, K)
+            parts += [pack_int4(q), scale]
+        experts.set_int4(*parts)
+    return model
+
+
+__all__ = ["TINY_TARGET", "tiny_target", "tiny_drafter", "quantize_experts_int4"]
