@@ -120,14 +120,19 @@ def main(argv=None) -> None:
                          "written by python -m training.run")
     ap.add_argument("--max-new-tokens", type=_in_range(int, 1, 4096), default=None,
                     help="1..4096 (default 64 with a trained pair, 32 with the random one)")
-    ap.add_argument("--batch", type=_in_range(int, 1, 64), default=2, help="requests (prompts of different lengths)")
-    ap.add_argument("--budget", type=_budget, default="16", help="tree budget B in 1..1024, or 'auto'")
+    ap.add_argument("--batch", type=_in_range(int, 1, 64), default=2,
+                    help="requests (prompts of different lengths), 1..64 (default 2)")
+    ap.add_argument("--budget", type=_budget, default="16", help="tree budget B in 1..1024, or 'auto' (default 16)")
     ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=None,
                     help="the random drafter's block size (L = block size - 1), 2..16 (default 4; a trained "
                          "drafter has its own)")
-    ap.add_argument("--drafter", choices=("dflash", "oracle"), default="dflash")
-    ap.add_argument("--accuracy", type=_in_range(float, 0.0, 1.0), default=0.8, help="oracle per-token accuracy, 0..1")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drafter", choices=("dflash", "oracle"), default="dflash",
+                    help="the pair's DFlash drafter (default), or an oracle that knows the target's greedy "
+                         "continuation and is right with probability --accuracy at each depth")
+    ap.add_argument("--accuracy", type=_in_range(float, 0.0, 1.0), default=0.8,
+                    help="oracle per-token accuracy, 0..1 (default 0.8)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random pair, its prompts and the oracle's coin flips (default 0)")
     args = ap.parse_args(argv)
     budget = args.budget
 

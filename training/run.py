@@ -11,7 +11,8 @@ target's continuations of training prompts and their taps -> drafter training (r
 depth-decayed loss) -> DFlash export, reloaded -> held-out numbers (bits per byte of the bf16 and
 INT4 targets, expert load, drafter agreement, greedy DDTree against autoregressive decoding) ->
 metrics.json and the model card (README.md).  ``--out`` receives ``target/``, ``drafter/``,
-``README.md``, ``metrics.json`` and ``manifest.json`` only once everything has succeeded.
+``README.md``, ``metrics.json``, ``manifest.json`` and ``prompts.json`` (the main job's held-out
+prompts) only once everything has succeeded.
 
 Time on one H200, FULL recipe — an estimate, not a measurement (no GPU run has happened yet;
 replace these lines with the first run's measured phase times, which metrics.json records):
