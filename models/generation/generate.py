@@ -241,7 +241,7 @@ class DDTreeGenerationMixin(GenerationMixin):
             _check_drafter(self, drafter)
         R, T = input_ids.shape
         try:
-            prefill_chunk(getattr(config, "prefill_chunk_size", None))
+            chunk = prefill_chunk(getattr(config, "prefill_chunk_size", None))
         except ValueError as e:
             raise ValueError(f"generate: {e}") from None
         max_new = config.max_new_tokens
@@ -281,8 +281,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
-        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling,
-                        prefill_chunk_size=getattr(config, "prefill_chunk_size", None))
+        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk)
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0

@@ -720,8 +720,6 @@ class KimiK2ForCausalLM(KimiK2PreTrainedModel, DDTreeGenerationMixin):
         right-padded ``input_ids`` with ``input_lengths`` instead.  ``position_ids``:
         transformers' name for ``positions`` (one or the other).  ``prefill_chunk_size``: tokens per
         prefill pass (:meth:`KimiK2Model.forward`)."""
-        if cache is not None and not isinstance(cache, KimiK2Cache):
-            raise TypeError(f"KimiK2ForCausalLM: cache must be a KimiK2Cache, got {type(cache).__name__}")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("KimiK2ForCausalLM: padded attention_mask is not supported; pass right-padded "
                              "input_ids with input_lengths")
