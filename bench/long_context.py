@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple, Sequence
 
+from torch_kdtree.plan.memory import KV_DTYPE_BYTES, KV_SCALE_BYTES, cache_tokens_per_request
+
 KI = 1024
 # K2's window: 262,144 positions (max_position_embeddings); "256k" is that many tokens.
 WINDOW = 262_144
@@ -81,14 +83,12 @@ def cache_bytes_per_token(config: dict, kv_cache_dtype: str) -> int:
     """Bytes one token takes in the latent cache over all layers (KimiK2Cache.bytes_per_token):
     bf16 rows of kv_lora_rank + qk_rope_head_dim; fp8 one byte per entry + a 4-byte scale."""
     D = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    per_layer = 2 * D if kv_cache_dtype == "bf16" else D + 4
-    return config["num_hidden_layers"] * per_layer
+    return config["num_hidden_layers"] * (D * KV_DTYPE_BYTES[kv_cache_dtype] + KV_SCALE_BYTES[kv_cache_dtype])
 
 
 def session_capacity(max_prompt: int, max_new: int, block_size: int, budget: int) -> int:
     """Tokens per request a GenerationSession allocates (session.py: prompt + new + L + nodes + 2)."""
-    L = block_size - 1
-    return max_prompt + max_new + L + max(budget + 1, L) + 2
+    return cache_tokens_per_request(max_prompt + max_new, budget, block_size)
 
 
 def weight_bytes(config: dict, *, int4_experts: bool) -> int:
