@@ -27,8 +27,8 @@ The MLA kernels read the keys of the committed length (their split count comes f
 where the plan keeps an fp8 cache's attention in torch ops (no kernel reading fp8, as when this was
 written), it reads the whole allocated cache, so those fp8 rows show the capacity's cost at every
 context.  Attention's share: one layer's attention timed alone at the context
-(``kdtree::mla_tree_attention`` for bf16 with N = 1 and 17 query rows; the eager torch form for
-fp8: update attention_ms when a kernel reads fp8) x layers / the step.
+(``kdtree::mla_tree_attention`` with N = 1 and 17 query rows, over the bf16 rows or the fp8 rows
+and their scales, as the plans' ``tree_op`` reads them) x layers / the step.
 
 Memory (bench/long_context.py: memory, printed by the run): k2_slice's latent cache is 4,608 B per
 token in bf16 (4 layers x 576 x 2) and 2,320 B in fp8 (4 x 580): 1.31 GB and 0.61 GB for the two
@@ -173,31 +173,22 @@ def step_ms(s: GenerationSession, budget: int, steps: int, repeats: int = 1) -> 
 
 def attention_ms(s: GenerationSession, nodes: int) -> float:
     """One layer's attention alone at the session's current context, ``nodes`` query rows per
-    request (causal among them): kdtree::mla_tree_attention over a bf16 cache, the torch form
-    (KimiK2Attention.tree_attention, eager) over an fp8 one; ms per call."""
-    from torch_kdtree.models.kimi_k2.modeling import _Tree
+    request (causal among them): kdtree::mla_tree_attention over the cache's rows (an fp8 cache's
+    with its scales, models/kimi_k2/fused.py's query dtype); ms per call."""
     from torch_kdtree.ops import mla_tree_attention, value_checks
 
     cache, attn = s.cache, s.target.model.layers[0].self_attn
     heads = attn.kv_b_proj.weight.shape[0] // (attn.qk_nope_head_dim + attn.v_head_dim)
     g = torch.Generator(device=DEVICE).manual_seed(5)
-    dtype = s.target.dtype
     visible = torch.ones(nodes, nodes, dtype=torch.bool, device=DEVICE).tril()[None].contiguous()
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE, generator=g) * scale).to(dtype)
-
-    if not cache.quantized:
-        q = rand(1, nodes, heads, cache.kv.shape[-1], scale=0.1).to(cache.kv.dtype)
-        fn = lambda: mla_tree_attention(q, cache.layer(0), cache.block_table, cache.lengths, visible,  # noqa: E731
-                                        attn.softmax_scale)
-    else:
-        q_nope, q_rope = rand(1, nodes, heads, attn.qk_nope_head_dim), rand(1, nodes, heads, attn.qk_rope_head_dim)
-        latent, tree = rand(1, nodes, cache.kv.shape[-1]), _Tree(cache, cache.slots(nodes), visible)
-        fn = lambda: attn.tree_attention(q_nope, q_rope, latent, tree, 0)  # noqa: E731
+    q = (torch.randn(1, nodes, heads, cache.kv.shape[-1], device=DEVICE, generator=g) * 0.1).to(
+        cache.dtype if cache.quantized else cache.kv.dtype)
+    kv_scale = cache.kv_scale[0] if cache.quantized else None
+    fn = lambda: mla_tree_attention(q, cache.layer(0), cache.block_table, cache.lengths, visible,  # noqa: E731
+                                    attn.softmax_scale, kv_scale=kv_scale)
     with value_checks(False):  # no device reads inside the graph capture
         if DEVICE == "cuda":
-            return cuda_time_us(fn, calls_per_graph=5 if not cache.quantized else 2, replays=5) / 1e3
+            return cuda_time_us(fn, calls_per_graph=5, replays=5) / 1e3
         fn()
         t0 = time.perf_counter()
         for _ in range(3):
