@@ -28,8 +28,7 @@ def load_default_pair(device=None, dtype: torch.dtype | None = None, *, path: st
     from .kimi_k2 import KimiK2ForCausalLM
 
     root = Path(path) if path is not None else DEFAULT_PAIR_DIR
-    missing = [str(root / part / "config.json") for part in ("target", "drafter")
-               if not (root / part / "config.json").is_file()]
+    missing = _missing(root)
     if missing:
         raise FileNotFoundError(f"no trained default pair at {root} (missing {', '.join(missing)}); "
                                 f"create it with: {CREATE_COMMAND}  (python -m training.run --toy --out DIR makes a "
@@ -57,7 +56,13 @@ def default_prompts(path: str | Path | None = None) -> list[str]:
 
 def has_default_pair(path: str | Path | None = None) -> bool:
     root = Path(path) if path is not None else DEFAULT_PAIR_DIR
-    return all((root / part / "config.json").is_file() for part in ("target", "drafter"))
+    return not _missing(root)
+
+
+def _missing(root: Path) -> list[str]:
+    """The config.json files of ``root``'s target/ and drafter/ that are not there."""
+    return [str(root / part / "config.json") for part in ("target", "drafter")
+            if not (root / part / "config.json").is_file()]
 
 
 __all__ = ["load_default_pair", "default_prompts", "has_default_pair", "DEFAULT_PAIR_DIR", "CREATE_COMMAND"]
