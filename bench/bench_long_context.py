@@ -24,9 +24,10 @@ budgets (0, 16), steps compiled and captured in CUDA graphs once; each context i
 prompt, then ``session.time_steps`` (CUDA events around graph replays, as bench_generate times
 steps) of AR and B = 16 steps; each row records the attention forms the session's plans chose.
 The MLA kernels read the keys of the committed length (their split count comes from the capacity);
-where the plan keeps an fp8 cache's attention in torch ops (no kernel reading fp8, as when this was
-written), it reads the whole allocated cache, so those fp8 rows show the capacity's cost at every
-context.  Attention's share: one layer's attention timed alone at the context
+over an fp8 cache the plans take ``tree_op`` (``kdtree::mla_tree_attention`` reads the e4m3 rows and
+their scales since 360c0bf; the query, the row write and W_UV stay in torch ops); a plan that kept an
+fp8 cache's attention in torch ops would read the whole allocated cache at every context (the rows
+say which form ran).  Attention's share: one layer's attention timed alone at the context
 (``kdtree::mla_tree_attention`` with N = 1 and 17 query rows, over the bf16 rows or the fp8 rows
 and their scales, as the plans' ``tree_op`` reads them) x layers / the step.
 
@@ -98,8 +99,8 @@ class Options:
         return max(max(prompt_length(c) for c in self.contexts), drift)
 
     def max_new(self, kv: str) -> int:
-        """The session's max_new: the drift's tokens on the bf16 session (fp8: the table's only, as its
-        torch attention reads the whole capacity)."""
+        """The session's max_new: the drift's tokens on the bf16 session (fp8: the table's only; the
+        drift check runs on bf16, and an fp8 session sized for it would hold 20k more tokens)."""
         drift = self.drift_tokens + self.drift_margin if kv == "bf16" and self.drift_tokens else 0
         return max(self.table_new, drift)
 

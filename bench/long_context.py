@@ -171,7 +171,8 @@ class Rates(NamedTuple):
     attention_tflops: float = 150.0  # the prefill's causal SDPA (memory-efficient kernel, dq 192 / dv 128)
     prefill_us_per_token: float = 3.0  # projections, INT4 MoE, norms, per prompt token (4 layers)
     step_ms: float = 4.0           # a B = 16 step (~1.2-2 ms) plus the oracle's look-ahead (7 AR passes)
-    fp8_step_ms: float = 30.0      # fp8 (torch attention over the whole capacity) step + look-ahead
+    fp8_step_ms: float = 30.0      # fp8 step + look-ahead: kept at the torch-attention figure (over the whole
+    #                                capacity) until a GPU run times the kernel path, so the estimate stays an upper bound
     accept: float = 2.7            # tokens per DDTree step with the 80 % oracle (issue 44: 2.74)
 
 
