@@ -1,4 +1,6 @@
+import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -44,3 +46,31 @@ def poison_cuda_allocator(nbytes: int = 64 << 20) -> None:
     test allocates from it show up if left unwritten."""
     junk = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device="cuda")
     del junk
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one CPU thread inside the block (small matrices: more threads only add contention
+    on a shared 2-core machine); the previous count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def toy_pipeline(tmp_path_factory):
+    """One run of the training pipeline's toy recipe on the CPU (training.run, one thread), shared by
+    the tests that need a trained pair: (directory, metrics, seconds, log lines)."""
+    from training import recipe
+    from training.run import run
+
+    out = tmp_path_factory.mktemp("pair") / "toy_pair"
+    lines = []
+    with one_thread():
+        start = time.perf_counter()
+        metrics = run(recipe.TOY, out, "cpu", log=lines.append)
+        seconds = time.perf_counter() - start
+    return out, metrics, seconds, lines

@@ -25,21 +25,9 @@ def test_bad_options_are_argparse_errors(argv, what, capsys):
 
 
 @pytest.fixture(scope="module")
-def toy_pair(tmp_path_factory):
-    """A pair written by the training pipeline (toy recipe, CPU, seconds): the main job's trained path."""
-    import torch
-
-    from training import recipe
-    from training.run import run
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("demo") / "pair"
-        run(recipe.TOY, out, "cpu", log=lambda line: None)
-    finally:
-        torch.set_num_threads(threads)
-    return out
+def toy_pair(toy_pipeline):
+    """A pair written by the training pipeline (toy recipe; conftest's one run): the main job's trained path."""
+    return toy_pipeline[0]
 
 
 def test_demo_on_a_trained_pair_decodes_held_out_code(toy_pair, capsys):

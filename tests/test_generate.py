@@ -15,7 +15,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import requires_cuda_kernel
+from conftest import one_thread, requires_cuda_kernel
 from torch_kdtree.models.dflash import DFlashDraftModel
 from torch_kdtree.models.generation import BudgetPlanner, OracleDrafter, process_logits
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
@@ -27,10 +27,8 @@ requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     """One CPU thread: these matrices are tiny, extra threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @functools.lru_cache(maxsize=None)

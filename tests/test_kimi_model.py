@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from conftest import HAS_CUDA, requires_cuda_kernel
+from conftest import HAS_CUDA, one_thread, requires_cuda_kernel
 from torch_kdtree.models import KimiK2Cache, KimiK2Config, KimiK2ForCausalLM
 from torch_kdtree.models.kimi_k2 import CacheOverflowError, KimiK2Experts, KimiK2MLP
 from torch_kdtree.ops import ddtree_build, int4_dequantize, kv_commit
@@ -25,11 +25,8 @@ requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
 @pytest.fixture(autouse=True, scope="module")
 def _inference_single_thread():
     """No autograd; one CPU thread (these matrices are tiny: extra threads only add contention)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
+    with one_thread(), torch.no_grad():
         yield
-    torch.set_num_threads(threads)
 
 
 def k2_config_dict(**overrides) -> dict:

@@ -11,6 +11,8 @@ import functools
 import pytest
 import torch
 
+from conftest import one_thread
+
 from torch_kdtree.models import KimiK2Cache
 from torch_kdtree.models.generation import OracleDrafter
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
@@ -21,11 +23,8 @@ E4M3_SUBNORMAL_HALF = 2.0 ** -10  # subnormals are 2^-9 apart (in units of the r
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
+    with one_thread(), torch.no_grad():
         yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)

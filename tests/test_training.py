@@ -10,15 +10,15 @@ fake quantiser equals what the exported checkpoint dequantises to, the held-out 
 by path, bits per byte count every byte once, and the FULL recipe fits the 25 MB the issue allows.
 """
 import json
-import time
 
 import pytest
 import torch
 
+from conftest import one_thread
+
 from training import corpus, recipe as recipes
 from training.drafter import block_logits, build_drafter, sample_anchors
 from training.quant import compressed_tensors, fake_quantize, quantize_int4
-from training.run import run as run_pipeline
 from training.target import build_target, target_config, training_plan
 
 from torch_kdtree.models import DFlashDraftModel, KimiK2ForCausalLM, load_default_pair
@@ -28,19 +28,13 @@ from torch_kdtree.ops import int4_dequantize
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     """One CPU thread: the toy matrices are small and the machine may be shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
-def toy_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pair") / "toy_pair"
-    lines = []
-    start = time.perf_counter()
-    metrics = run_pipeline(recipes.TOY, out, "cpu", log=lines.append)
-    return out, metrics, time.perf_counter() - start, lines
+def toy_run(toy_pipeline):
+    return toy_pipeline
 
 
 def test_toy_pipeline_runs_under_a_minute_and_losses_fall(toy_run):
