@@ -15,14 +15,17 @@ t0=$(date +%s)
 # A call may run 600 s: ~55 s of build, then the pipeline, whose phases are capped by time (pre-training
 # 4.0 min here instead of the recipe's 4.5, QAT 0.75, drafter 1.5) plus ~1.5 min of corpus, tokenizer,
 # continuations and evaluation (estimates): ~470 s.
-timeout ${TRAIN_TIMEOUT:-520} python3 -m training.run --out models/default_pair --device cuda \
+# PAIR_ROOT: where models/default_pair is written (default: the checkout; scripts/device_tests_and_pair.sh
+# trains elsewhere so that the tests it runs beside the training never see a half-written pair)
+ROOT=${PAIR_ROOT:-.}
+timeout ${TRAIN_TIMEOUT:-520} python3 -m training.run --out "$ROOT/models/default_pair" --device cuda \
   ${TRAIN_ARGS:---minutes 4.0} \
   > "$OUT/train.log" 2>&1
 rc=$?
 echo "training rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote" "$OUT/train.log" | tail -40
 [ $rc -eq 0 ] || exit $rc
-cp models/default_pair/metrics.json "$OUT/metrics.json"
-tar cf - models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
-( cd models/default_pair && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
+cp "$ROOT/models/default_pair/metrics.json" "$OUT/metrics.json"
+tar cf - -C "$ROOT" models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
+( cd "$ROOT/models/default_pair" && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
 ls -l "$OUT"
