@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call (< 10 min) for issue 44's item 3 and table: build if needed, the kernel tables and
+# replay times of the AR and B = 4 / 8 / 16 steps of both configurations (tools.profile_decode
+# --budgets), the launch timelines of the AR and B = 16 steps, then bench/bench_generate.py with
+# whatever time is left (BENCH_ARGS narrows it).  Everything under $OUT is packed into profile.tgz
+# and bench.tgz so the device tool's 8-file limit holds.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/p"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+start=$(date +%s)
+left() { echo $(( ${DEADLINE:-575} - ($(date +%s) - start) )); }
+bash scripts/gpu_run.sh "" "" "" || exit 1
+timeout ${PROFILE_TIMEOUT:-220} python3 -m tools.profile_decode --budgets 0,4,8,16 --out "$OUT/p" k2_slice 2p2b \
+  > "$OUT/p/profile.log" 2>&1
+echo "profile rc=$? ($(( $(date +%s) - start )) s)"; grep -iE "replay|ms|error" "$OUT/p/profile.log" | tail -24
+timeout ${TIMELINE_TIMEOUT:-120} python3 -m tools.profile_decode --timeline --out "$OUT/p" k2_slice 2p2b \
+  > "$OUT/p/timeline.log" 2>&1
+echo "timeline rc=$? ($(( $(date +%s) - start )) s)"; tail -5 "$OUT/p/timeline.log"
+( cd "$OUT" && tar czf profile.tgz p && rm -rf p )
+t=$(left)
+if [ "$t" -gt 60 ]; then
+  timeout $t python3 -m pytest bench/bench_generate.py --benchmark-only -q -s -p no:cacheprovider \
+    ${BENCH_ARGS:---bench-step-budgets 0,4,8,16,32 -k "step_time or autoregressive or oracle"} \
+    --benchmark-json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? ($(( $(date +%s) - start )) s)"; grep -E "op=|passed|failed" "$OUT/bench.log" | tail -30
+fi
+ls -l "$OUT"
