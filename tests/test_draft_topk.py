@@ -473,3 +473,28 @@ def test_cuda_graph_replay_with_new_logits(fresh_seed):
         torch.cuda.synchronize()
         check_against_reference(logits, k, whole)
         check_against_reference(logits, k, merged)
+
+
+def test_reference_order_equals_a_full_stable_sort_with_ties_nan_and_infinities(fresh_seed):
+    """_top_order takes the order among the 2k largest candidates when that is provably the full
+    sort's (no tie of the k-th value outside them), else sorts everything: both branches, many ties."""
+    from torch_kdtree.ops.topk import _top_order
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    fast = 0
+    for trial in range(200):
+        V = int(torch.randint(2, 300, (), generator=gen))
+        k = int(torch.randint(1, V + 1, (), generator=gen))
+        x = torch.randint(-3, 3, (3, V), generator=gen).float()
+        if trial % 2:
+            x = x + torch.randn(3, V, generator=gen)  # mostly distinct values: the candidates' branch
+        if trial % 3 == 0:
+            x[0, : V // 2] = float("-inf")
+        if trial % 5 == 0:
+            x[1, 0] = -0.0
+        if trial % 7 == 0:
+            x[2, 1] = float("nan")
+        full = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(_top_order(x, k), full), (trial, V, k)
+        fast += 2 * k < V and not x.isnan().any()
+    assert fast > 50  # the candidates' branch ran (it answers or falls back; both checked above)

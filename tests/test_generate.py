@@ -505,7 +505,7 @@ def test_profile_mode_reports_accept_lengths_and_phase_times():
             assert row[f"{phase}_ms"] > 0, (phase, row)
         assert row["total_ms"] >= row["verify_ms"]
     # the decode plan of the step, as the session made it (the CPU: every layer's reference forward)
-    assert prof.plan.splitlines()[0] == "budget 5 (tree of 6 nodes): tree pass N=6, 12 rows, cpu float32"
+    assert prof.plan.splitlines()[0] == "budget 5 (tree of 6 nodes): tree pass N=6, 12 rows, cpu float32, live keys"
     assert "layer 1: attention=torch qkv=torch router=linear route=topk experts=gathered" in prof.plan
     assert plain.plan is None
 

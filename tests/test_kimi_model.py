@@ -595,6 +595,36 @@ def test_dtype_casts_spare_the_router_rope_and_int4_tensors():
     assert model.model.layers[1].mlp.experts.gate_proj.dtype == torch.float32
 
 
+def test_eager_cpu_tree_passes_read_only_the_live_keys(monkeypatch):
+    """An eager CPU tree pass's plan has ``live_keys``: the torch attention reads the cache up to the
+    longest request's length + N, rounded up to a page, not the block table's whole reach (64 keys
+    here); the logits equal the full read's to fp32 rounding.  Compiled and CUDA passes keep the
+    fixed shape, and a prefill has no tree to trim."""
+    from torch_kdtree.models.kimi_k2.plan import Target, plan_pass
+
+    model = make_model(47)
+    g = torch.Generator().manual_seed(47)
+    plan = model.model.plan_pass(2, 3, tree=True)
+    assert plan.live_keys and str(plan).splitlines()[0].endswith(", live keys")
+    assert not plan_pass(model, tokens=3, rows=6, tree=True, target=Target("cpu", True)).live_keys
+    assert not plan_pass(model, tokens=3, rows=6, tree=True, target=Target("cuda", False)).live_keys
+    assert not model.model.plan_pass(2, 3, tree=False).live_keys
+    reads = []
+    read = KimiK2Cache.read
+    monkeypatch.setattr(KimiK2Cache, "read", lambda self, layer, n: reads.append(n) or read(self, layer, n))
+    tokens = torch.randint(0, VOCAB, (2, 3), generator=g)
+    visible = torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3).contiguous()
+    logits = []
+    for p in (replace(plan, live_keys=False), plan):
+        prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+        cache = prefilled_cache(model, prompts)
+        reads.clear()
+        with torch.no_grad():
+            logits.append(model(tokens, cache.lengths.long()[:, None] + torch.arange(3), cache, visible, plan=p).logits)
+        assert set(reads) == ({64} if p is not plan else {16})  # 11 + 3 keys, rounded up to pages of 4
+    assert rel_err(logits[1], logits[0]) <= 1e-5
+
+
 # --------------------------------------------------------------------------------------------
 # compile and CUDA graphs
 # --------------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class _Tree(NamedTuple):
     cache: KimiK2Cache
     slots: torch.Tensor            # [R, N] flat cache slots of the N nodes
     visible: torch.Tensor          # bool [R, N, N]
+    keys: Optional[int] = None     # positions the torch form reads (None: the block table's reach)
 
 
 class KimiK2Attention(nn.Module):
@@ -224,7 +225,7 @@ class KimiK2Attention(nn.Module):
         cache.write(layer_idx, batch.slots, latent)
         R, N = q_nope.shape[:2]
         w_uk, w_uv = self._kv_b()
-        S = cache.block_table.shape[1] * cache.page_size
+        S = batch.keys or cache.block_table.shape[1] * cache.page_size
         keys = cache.read(layer_idx, S)  # [R, S, dc + dr] (dequantised from an fp8 cache)
         # q rounded to the keys' dtype, as the kernels' operands are
         q = torch.cat([torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk), q_rope], dim=-1).to(keys.dtype).float()
@@ -538,6 +539,10 @@ class KimiK2Model(KimiK2PreTrainedModel):
         elif cache is not None and cache.quantized and any(lp.attention in MLA_FORMS for lp in plan.layers):
             raise ValueError("KimiK2Model: the plan runs MLA kernels, which do not read an fp8 latent cache; "
                              "plan the pass with this cache (model.model.plan_pass(..., cache=cache))")
+        if plan.live_keys and isinstance(batch, _Tree):  # eager CPU: read only the positions in use
+            page = cache.page_size
+            reach = cache.block_table.shape[1] * page
+            batch = batch._replace(keys=min(reach, -(-(int(cache.lengths.max()) + T) // page) * page))
         cos, sin = self.rotary_emb(positions)
         h = self.embed_tokens(input_ids)
         tp = getattr(self, "tp", None)

@@ -176,6 +176,10 @@ class PassPlan:
     layers: tuple[LayerPlan, ...]
     reasons: tuple[str, ...] = field(default=())
     kv_cache_dtype: Optional[torch.dtype] = None  # the latent cache's storage (None: dtype)
+    # the torch attention form reads the cache only up to the longest request's length + N, rounded
+    # up to a page, instead of the block table's whole reach: eager CPU tree passes (a host read of
+    # the lengths per pass, free there; compiled or CUDA passes keep the fixed shape)
+    live_keys: bool = False
 
     @property
     def fp8_cache(self) -> bool:
@@ -184,7 +188,8 @@ class PassPlan:
     def __str__(self) -> str:
         kind = f"tree pass N={self.tokens}" if self.tree else "prefill"
         head = (f"{kind}, {self.rows} rows, {self.target.device} {str(self.dtype).replace('torch.', '')}"
-                f"{', fp8 latent cache' if self.fp8_cache else ''}{', compiled' if self.target.compiled else ''}")
+                f"{', fp8 latent cache' if self.fp8_cache else ''}{', compiled' if self.target.compiled else ''}"
+                f"{', live keys' if self.live_keys else ''}")
         lines, i = [head], 0
         while i < len(self.layers):  # runs of identical layers on one line
             j = i
@@ -385,7 +390,8 @@ def plan_pass(model, *, tokens: int, rows: int, tree: bool, target: Target, dtyp
         layers = tuple(_reference_like(planner.layer(layer)) for layer in inner.layers)
     else:
         layers = tuple(planner.layer(layer) for layer in inner.layers)
-    return PassPlan(tokens, rows, tree, target, dtype, layers, tuple(planner.reasons), kv_cache_dtype)
+    live = tree and target.device == "cpu" and not target.compiled
+    return PassPlan(tokens, rows, tree, target, dtype, layers, tuple(planner.reasons), kv_cache_dtype, live)
 
 
 def target_of(device: torch.device, compiled: bool) -> Target:

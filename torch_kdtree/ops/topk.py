@@ -110,7 +110,25 @@ def _lse(x: torch.Tensor) -> torch.Tensor:
 
 def _top_order(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of float32 ``x`` along the last dim, larger first,
-    equal values lower index first (a stable descending sort keeps equal values in index order)."""
+    equal values lower index first: the first k of a stable descending sort, which keeps equal
+    values in index order.
+
+    Sorting all V entries took ~3 ms for 14 rows of a 4096-token vocabulary on one CPU core (the
+    CPU kernel runs in every tree step; ~0.15 ms this way), so the order is first taken among the
+    2k largest candidates
+    (``topk``, any order among equal values): put in id order and sorted stably by value, they
+    give the same first k whenever every entry equal to the k-th value is a candidate, which holds
+    when the smallest candidate is below the k-th value (every other entry is at most the
+    smallest candidate).  Otherwise (ties at the candidates' edge, NaN, k > V / 2) the full sort."""
+    V = x.shape[-1]
+    c = 2 * k
+    if c < V and x.numel() and not bool(x.isnan().any()):
+        ids = x.topk(c, dim=-1, sorted=False).indices.sort(dim=-1).values  # candidates, in id order
+        vals = x.gather(-1, ids)
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+        kth = vals.gather(-1, order[..., k - 1 : k])
+        if bool((vals.amin(dim=-1, keepdim=True) < kth).all()):
+            return ids.gather(-1, order[..., :k]).contiguous()
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
 
 
