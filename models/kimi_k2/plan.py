@@ -67,7 +67,10 @@ MOE_GEMV_SLOTS = 32
 # Compiled CUDA passes: per-(token, slot) expert GEMVs as multiply + sum up to this many slots.
 ROW_GEMV_SLOTS = 16
 # Eager dense experts: above this many gathered weight elements (T * k * 3 * I * H) loop over experts.
-GATHER_LIMIT = 1 << 26
+# The gather copies every (token, slot)'s weights: on a CPU core a 17-node tree of 2 requests over
+# 32 experts of 3 x 128 x 256 (13.4 M elements) took 131 ms a step that way and 19 ms looped, while
+# at 8 slots (0.8 M) the two were within 3 % (smoke pair, experts dense; bench/RESULTS.md, CPU notes).
+GATHER_LIMIT = 1 << 21
 # rank_topk's [T, E, E] comparison, at most this many elements.
 RANK_TOPK_MAX = 1 << 22
 # The latent row mla_tree_attention and its relatives read: 512 latent + 64 rope.
