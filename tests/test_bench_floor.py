@@ -29,8 +29,8 @@ def _chosen_by_loop(monkeypatch, target) -> list[set]:
     chosen = [set() for _ in index]
     real = KimiK2Router.route
 
-    def route(self, logits):
-        ids, weights = real(self, logits)
+    def route(self, logits, **kwargs):  # the plan's forms pass topk= (fused.route)
+        ids, weights = real(self, logits, **kwargs)
         for row in ids.tolist():
             for e in row:
                 chosen[index[id(self)]].add(e)

@@ -504,9 +504,10 @@ def test_profile_mode_reports_accept_lengths_and_phase_times():
         for phase in ("draft", "topk", "build", "verify", "accept", "commit"):
             assert row[f"{phase}_ms"] > 0, (phase, row)
         assert row["total_ms"] >= row["verify_ms"]
-    # the decode plan of the step, as the session made it (the CPU: every layer's reference forward)
+    # the decode plan of the step, as the session made it (the CPU: the reference forms, the experts
+    # looped over as 12 rows x top-k exceed the gather's GATHER_SLOTS)
     assert prof.plan.splitlines()[0] == "budget 5 (tree of 6 nodes): tree pass N=6, 12 rows, cpu float32, live keys"
-    assert "layer 1: attention=torch qkv=torch router=linear route=topk experts=gathered" in prof.plan
+    assert "layer 1: attention=torch qkv=torch router=linear route=topk experts=looped" in prof.plan
     assert plain.plan is None
 
 
@@ -562,8 +563,8 @@ def _prefill_routed(model, prefix: torch.Tensor, hook) -> torch.Tensor:
     real = KimiK2Router.route
     calls = iter(range(len(model.model.layers)))
 
-    def hooked(self, logits):
-        return real(self, hook(next(calls), self, logits))
+    def hooked(self, logits, **kwargs):  # the plan's forms pass topk= (fused.route)
+        return real(self, hook(next(calls), self, logits), **kwargs)
 
     KimiK2Router.route = hooked
     try:
@@ -1198,3 +1199,48 @@ def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_l
             lambda: model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=6, eos_token_id=None,
                                    compile_step=True, **drafter))
     assert _checked_route_logits_calls(codes, "moe_gemv"), "no compiled moe_gemv call with route_logits"
+
+
+def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(monkeypatch):
+    """In a session with a drafter, an AR step stores its taps; they reach the drafter's context in
+    one append before the next tree step, or when DEFER_ROWS are stored.  The context is then what
+    one append per AR step gives (fp32 rounding: rows of one fc call instead of one each), with the
+    same lengths, and the generated tokens equal autoregressive decoding's."""
+    import copy
+
+    from torch_kdtree.models.generation import GenerationSession
+    from torch_kdtree.models.generation.session import DEFER_ROWS
+
+    model = target(53)
+    ids, mask = prompts(2, 53, left=False)
+    base = make_drafter("random_dflash", model, 3, 4)
+    calls = []
+    states = []
+    for defer in (True, False):
+        drafter = copy.deepcopy(base)
+        append = drafter.append_context
+        monkeypatch.setattr(drafter, "append_context", lambda taps, *a, **k: calls.append((defer, taps.shape[1])) or
+                            append(taps, *a, **k))
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4))
+        assert session.defer == DEFER_ROWS
+        if not defer:
+            session.defer = 0  # the AR step then appends each step's row itself
+        session.prefill(ids, mask.sum(1), max_new=40, eos=[])
+        for _ in range(DEFER_ROWS + 3):
+            session.step(0)
+        session.step(4)
+        states.append((drafter.context_lengths.clone(), drafter.context_k.clone(), drafter.context_v.clone(),
+                       session.tokens()))
+    # deferred: the prompt, one flush when the store filled, one before the tree step, the tree's
+    # commit (taps of its B + 1 = 5 nodes, the accepted ones gathered inside)
+    assert [a for d, a in calls if d] == [ids.shape[1], DEFER_ROWS, DEFER_ROWS, 5]
+    assert sum(1 for d, _ in calls if not d) == 1 + DEFER_ROWS + 3 + 1
+    (n0, k0, v0, t0), (n1, k1, v1, t1) = states
+    assert torch.equal(n0, n1) and int(n0.min()) >= DEFER_ROWS + 3
+    for r, n in enumerate(n0.tolist()):
+        torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
+    assert torch.equal(t0[0], t1[0]) and t0[1] == t1[1]
+    n = min(t0[1])
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
+    assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])

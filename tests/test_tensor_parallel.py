@@ -123,7 +123,7 @@ _FUSED_FORMS = {
     "R2/N1": ("prepare", *_DECODE),
     "R1/long/N1": ("prepare_output", *_DECODE),
     "R1/N5": ("tree_op", "torch", "torch", ("linear", "moe_gemv", "fused"), ("linear", "int4_moe", "fused")),
-    "R1/N17": ("tree_op", "torch", "torch", ("linear", "gathered", "torch"), ("linear", "int4_moe", "torch")),
+    "R1/N17": ("tree_op", "torch", "torch", ("linear", "looped", "torch"), ("linear", "int4_moe", "torch")),
 }
 
 

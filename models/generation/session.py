@@ -14,6 +14,10 @@ flags, per-step statistics — allocated once, at fixed addresses.  One step is 
     output buffer += the accepted drafts and the next root; EOS / max_new_tokens -> finished
 
 Budget B = 0 is the autoregressive step (the root alone through the same cache and kernels).
+Its taps are only stored (``DEFER_ROWS`` per request): the drafter's context projection runs for
+them in one batch (the "flush", its own captured step) before the next tree step, or when the
+store is full, so autoregressive steps in a session with a drafter (``tree_budget="auto"`` with a
+useless drafter runs mostly those) do not read the drafter's context weights each step.
 Every shape is fixed by (R, block size, B) and nothing reads the device on the host, so on CUDA
 each budget's step is captured once in a ``torch.cuda.CUDAGraph`` (warmed up on a side stream,
 all graphs in one memory pool) and replayed.  Finished requests keep running, masked: they
@@ -42,6 +46,10 @@ from torch_kdtree.ops import value_checks
 from .sampling import SamplingMode, SamplingParams, select_tokens
 
 MAX_EOS = 8
+# Autoregressive steps whose taps are stored before the drafter's context projection runs for them
+# in one batch: its weights (K2 TP-8 rank: fc alone is 7168 x 7168, ~14 % of the AR step's bytes)
+# are read once per this many AR steps instead of every step.
+DEFER_ROWS = 16
 # Inductor options by name (compile_step="combo" / "tuned").  combo: independent kernels launched
 # together (2p2b AR step 0.911 -> 0.833 ms on the H200, ~15 s compile); tuned: + coordinate-descent
 # tuning of every kernel's launch config (~65-85 s compile per step the first time, then inductor's
@@ -261,6 +269,15 @@ class GenerationSession:
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self._gen_max_new, self._gen_eos = 0, []
         self._fns = {b: self._step_fn(b) for b in self.budgets}
+        # the AR step's taps, kept for the drafter until a tree step needs its context (_flush)
+        self.defer = DEFER_ROWS if drafter is not None and self.taps and 0 in self.budgets and any(self.budgets) \
+            else 0
+        self._deferred = 0  # AR steps since the last flush (host count: no device read)
+        if self.defer:
+            width = len(self.taps) * target.config.hidden_size
+            self.pending = torch.zeros(batch_size, self.defer, width, dtype=target.dtype, device=dev)
+            self.pending_n = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+            self._fns["flush"] = self._flush
         if self._prepare is not None and any(self.budgets):
             self._fns["prepare"] = lambda: self._prepare(self.root)
         if compile_step:
@@ -338,13 +355,29 @@ class GenerationSession:
         post = select_tokens(out.logits, self.mode, self.params, self.tp)[:, 0]
         self._phase("commit")
         count = active.to(torch.int32)
-        if self.drafter is not None:  # keeps the drafter's context whole when "auto" switches back
+        if self.defer:  # stored: the next tree step's flush appends them to the drafter's context
+            rows = torch.arange(self.R, device=count.device)
+            self.pending.index_put_((rows, self.pending_n.clamp(max=self.defer - 1)), out.taps[:, 0])
+            self.pending_n.add_(count.long())
+        elif self.drafter is not None:  # keeps the drafter's context whole when "auto" switches back
             self.drafter.append_context(out.taps, count)
         cache.advance(count)
         self._emit(post[:, None], count, active)
         self.root.copy_(torch.where(active, post, self.root))
         self._record(count, active, None, 0)
         self._phase(None)
+
+    def _flush(self) -> None:
+        """Append the stored AR steps' taps to the drafter's context (rows in step order)."""
+        self.drafter.append_context(self.pending, self.pending_n)
+        self.pending_n.zero_()
+
+    def _flush_before(self, budget: int) -> None:
+        """Run the flush when this step needs it: before a tree step (the drafter reads its context)
+        or before an AR step that would overfill the store."""
+        if self._deferred and (budget or self._deferred == self.defer):
+            self._run("flush", self._fns["flush"])
+            self._deferred = 0
 
     def _emit(self, new: torch.Tensor, count: torch.Tensor, active: torch.Tensor) -> None:
         """Append new[r, :count[r]] to the output of the active requests; mark finished ones."""
@@ -410,9 +443,11 @@ class GenerationSession:
             self._run("prepare", self._fns["prepare"])
         if self._timing is not None:
             self._timing.append(self._clock())
+        self._flush_before(budget)  # inside the timed region: it is part of what the steps cost
         self._run(budget, self._fns[budget])
         if self._timing is not None:
             self._timing.append(self._clock())
+        self._deferred += self.defer > 0 and budget == 0
 
     def _clock(self):
         if self.device.type == "cuda":
@@ -435,10 +470,15 @@ class GenerationSession:
             self._run("prepare", self._fns["prepare"])
         self._timer = PhaseTimer(self.device)
         try:
+            if self._deferred and (budget or self._deferred == self.defer):
+                self._phase("commit")  # the stored AR taps' flush counts as commit work
+                self._flush()
+                self._deferred = 0
             self._run(budget, self._step_fn(budget))  # eager, uncompiled: the phase marks run
             times = self._timer.millis()
         finally:
             self._timer = None
+        self._deferred += self.defer > 0 and budget == 0
         step = int(self.step_no) - 1
         return {"budget": budget, "accept": self.accept_log[min(step, self.max_steps - 1)].tolist(), **times}
 
@@ -513,6 +553,9 @@ class GenerationSession:
         self.cache.reset()
         if self.drafter is not None:
             self.drafter.reset_context()
+        if self.defer:
+            self.pending_n.zero_()
+        self._deferred = 0
         for t in (self.root, self.out, self.out_len, self.max_new_t, self.step_no, self.accept_log, self.cf_sum,
                   self.cf_count):
             t.zero_()

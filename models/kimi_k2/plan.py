@@ -66,11 +66,14 @@ DECODE_MAX_KEYS = 1024
 MOE_GEMV_SLOTS = 32
 # Compiled CUDA passes: per-(token, slot) expert GEMVs as multiply + sum up to this many slots.
 ROW_GEMV_SLOTS = 16
-# Eager dense experts: above this many gathered weight elements (T * k * 3 * I * H) loop over experts.
-# The gather copies every (token, slot)'s weights: on a CPU core a 17-node tree of 2 requests over
-# 32 experts of 3 x 128 x 256 (13.4 M elements) took 131 ms a step that way and 19 ms looped, while
-# at 8 slots (0.8 M) the two were within 3 % (smoke pair, experts dense; bench/RESULTS.md, CPU notes).
-GATHER_LIMIT = 1 << 21
+# Eager dense experts: the per-(token, slot) weight gather for at most GATHER_SLOTS slots and
+# GATHER_LIMIT gathered weight elements (T * k * 3 * I * H), else a loop over the experts in use.
+# The gather copies every slot's weights: on a CPU core a 17-node tree of 2 requests (136 slots) over
+# 32 experts of 3 x 128 x 256 took 131 ms a step gathered and 19 ms looped; at the AR step's 8 slots
+# the two were within 3 % (smoke pair, experts dense; bench/RESULTS.md, CPU notes 2026-12-05).  A
+# bound on slots, not elements, gives a tensor-parallel rank (a slice of I) the single process's form.
+GATHER_SLOTS = 16
+GATHER_LIMIT = 1 << 26
 # rank_topk's [T, E, E] comparison, at most this many elements.
 RANK_TOPK_MAX = 1 << 22
 # The latent row mla_tree_attention and its relatives read: 512 latent + 64 rope.
@@ -329,7 +332,8 @@ class _Planner:
             kind = "row_gemv"
         elif t.device == "cuda" and self.bf16 and _grouped_mm_available():
             kind = "grouped_mm"
-        elif t.compiled or slots * 3 * experts.gate_proj.shape[1] * experts.gate_proj.shape[2] <= GATHER_LIMIT:
+        elif t.compiled or (slots <= GATHER_SLOTS
+                            and slots * 3 * experts.gate_proj.shape[1] * experts.gate_proj.shape[2] <= GATHER_LIMIT):
             kind = "gathered"
         else:
             kind = "looped"
