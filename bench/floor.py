@@ -16,8 +16,10 @@ the autoregressive step, one token):
 - with a drafter and budget > 0: ``drafter_weights`` (all of its own weights), ``drafter_lm_head``
   (a second pass over the target's lm_head, which the drafter borrows for its logits) and
   ``drafter_kv`` (its context K/V, context + block_size rows per request and layer); with budget 0
-  only the context append that the autoregressive step runs to keep the drafter's context whole
-  (``fc``, ``hidden_norm``, each layer's k/v projections and ``k_norm``).
+  only the AR step's share of the context append that keeps the drafter's context whole (``fc``,
+  ``hidden_norm``, each layer's k/v projections and ``k_norm``): the session stores AR steps' taps
+  and appends them in one batch per ``DEFER_ROWS`` steps (models/generation/session.py), so an AR
+  step's share is those weights / DEFER_ROWS.
 
 Reads only: the KV rows, logits and activations a step writes are not counted, so the floor is a
 lower bound.
@@ -27,6 +29,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
+
+from torch_kdtree.models.generation.session import DEFER_ROWS
 
 class StepBytes(NamedTuple):
     weights: int
@@ -107,7 +111,7 @@ def step_bytes(target, routed: Sequence[int], context_lengths: Sequence[int], bu
         parts = [drafter.fc, drafter.hidden_norm]
         parts += [m for layer in drafter.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj,
                                                          layer.self_attn.k_norm)]
-        drafter_weights = _nbytes(p for m in parts for p in m.parameters())
+        drafter_weights = _nbytes(p for m in parts for p in m.parameters()) // DEFER_ROWS
     return StepBytes(weights, _nbytes(shared), routed_experts, kv, drafter_weights, drafter_lm_head, drafter_kv)
 
 

@@ -5,6 +5,7 @@ import torch
 
 from bench.floor import RoutedExperts, expert_bytes, moe_blocks, routed_experts_of_step, step_bytes
 from torch_kdtree.models.generation import GenerationSession
+from torch_kdtree.models.generation.session import DEFER_ROWS
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 from torch_kdtree.models.kimi_k2.moe import KimiK2Router
 
@@ -104,10 +105,10 @@ def test_step_bytes_equal_a_hand_sum():
     assert got.drafter_lm_head == hand["lm_head"]
     assert got.drafter_kv == (7 + 9 + 2 * d.block_size) * d.num_hidden_layers * 2 * d.num_key_value_heads * d.head_dim * 4
     assert got.total == sum(got)
-    # the autoregressive step: one token, k experts a layer; with a drafter only its context append
+    # the autoregressive step: one token, k experts a layer; with a drafter its share of the batched context append
     ar = step_bytes(target, [K, K], [12], 0)
     assert ar.total == hand["weights"] + hand["shared"] + 2 * K * hand["expert"] + (12 + 1) * c.num_hidden_layers * kv_row
-    assert step_bytes(target, [K, K], [12], 0, drafter).total == ar.total + hand["append"]
+    assert step_bytes(target, [K, K], [12], 0, drafter).total == ar.total + hand["append"] // DEFER_ROWS
     with pytest.raises(ValueError, match="MoE layers"):
         step_bytes(target, [K], [12], 0)
     with pytest.raises(ValueError, match="routed experts"):
