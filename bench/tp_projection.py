@@ -41,9 +41,10 @@ def collectives_per_step(target_layers: int, budget: int, drafter_layers: int | 
     sharded too, runs in the step).
 
     - the target: two all-reduces per layer (after the attention, after the MLP / MoE block);
-    - a drafter: its fc (the taps' context, appended in every step, the autoregressive one too)
-      one all-reduce; in a tree step its layers two each, and the draft top-K three all-gathers
-      (each shard's top-K values, ids and log-sum-exp, then merged: session._draft_topk);
+    - a drafter, in a tree step: its fc (the taps' context) one all-reduce, its layers two each,
+      and the draft top-K three all-gathers (each shard's top-K values, ids and log-sum-exp, then
+      merged: session._draft_topk).  An autoregressive step only stores its taps; their fc runs
+      in the session's flush, its own graph, once per DEFER_ROWS AR steps (session.py);
     - greedy token choice over the vocabulary shards: two all-gathers (each shard's best value and
       its id), only where the vocabulary is split (``world > 1``: sampling.select_tokens).
     """
@@ -53,11 +54,9 @@ def collectives_per_step(target_layers: int, budget: int, drafter_layers: int | 
     if budget and drafter_layers is None:
         raise ValueError("collectives_per_step: a tree step (budget > 0) has a drafter")
     reduces, gathers = 2 * target_layers, 2 if world > 1 else 0
-    if drafter_layers is not None:
-        reduces += 1
-        if budget:
-            reduces += 2 * drafter_layers
-            gathers += 3
+    if drafter_layers is not None and budget:
+        reduces += 1 + 2 * drafter_layers
+        gathers += 3
     return reduces, gathers
 
 
@@ -164,17 +163,16 @@ def collective_messages(target_layers: int, budget: int, drafter_layers: int | N
                         hidden: int = K2_HIDDEN, block_size: int = BLOCK_SIZE, dtype_bytes: int = 2) -> list:
     """[(count, bytes each rank contributes)] of one step's collectives -- :func:`collectives_per_step`'s,
     with sizes: the target's all-reduces carry the step's tokens (1, or B + 1 tree nodes) x ``hidden``;
-    the drafter's fc one its appended context (1 token in the AR step, up to ``block_size`` accepted
-    nodes in a tree step), its layers the block (``block_size`` tokens); the vocabulary gathers
+    the drafter's fc (tree steps only) its appended context (up to ``block_size`` accepted nodes),
+    its layers the block (``block_size`` tokens); the vocabulary gathers
     (a value and an id per token and shard; the draft top-K's K values, ids and log-sum-exps) are
     counted as latency only (0 bytes)."""
     reduces, gathers = collectives_per_step(target_layers, budget, drafter_layers, world)
     row = hidden * dtype_bytes
     out = [(2 * target_layers, (budget + 1 if budget else 1) * row)]
-    if drafter_layers is not None:
-        out.append((1, (block_size if budget else 1) * row))
-        if budget:
-            out.append((2 * drafter_layers, block_size * row))
+    if drafter_layers is not None and budget:
+        out.append((1, block_size * row))
+        out.append((2 * drafter_layers, block_size * row))
     if gathers:
         out.append((gathers, 0))
     assert sum(c for c, _ in out) == reduces + gathers

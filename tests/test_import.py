@@ -3,6 +3,7 @@ first use, from a source checkout and from an installed layout (setup.py maps ``
 ``torch_kdtree/models``).  Each check runs in a fresh interpreter, since this process has long
 imported the models."""
 import os
+import importlib.metadata
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # only what the package does (the source-checkout mount, or the installed folder).
 NO_EDITABLE_FINDER = ("import sys\n"
                       "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]\n")
+
+
+def _installed_or_checkout() -> str | None:
+    """None (PYTHONPATH unset) where the package is installed, as scripts/setup.sh and CI install it;
+    the checkout where it is not (the device machine runs the tests with PYTHONPATH only)."""
+    try:
+        importlib.metadata.distribution("torch_kdtree")
+        return None
+    except importlib.metadata.PackageNotFoundError:
+        return ROOT
 
 
 def _python(code: str, cwd, path: str | None = None) -> None:
@@ -31,7 +42,7 @@ def test_import_torch_kdtree_loads_the_ops_without_transformers(tmp_path):
         assert 'transformers' not in sys.modules, 'import torch_kdtree imported transformers'
         assert 'torch_kdtree.models' not in sys.modules
         assert hasattr(torch.ops.kdtree, 'ddtree_build') and callable(torch_kdtree.ops.tree_accept)
-        """, cwd=tmp_path)
+        """, cwd=tmp_path, path=_installed_or_checkout())
 
 
 def test_import_torch_kdtree_models_registers_the_auto_classes(tmp_path):
@@ -42,7 +53,7 @@ def test_import_torch_kdtree_models_registers_the_auto_classes(tmp_path):
         assert type(AutoConfig.for_model(KimiK2Config.model_type)) is KimiK2Config
         assert AutoModelForCausalLM._model_mapping[KimiK2Config] is KimiK2ForCausalLM
         assert AutoModel._model_mapping[KimiK2Config] is KimiK2Model
-        """, cwd=tmp_path)
+        """, cwd=tmp_path, path=_installed_or_checkout())
 
 
 def test_source_checkout_mounts_models_on_first_use(tmp_path):

@@ -455,6 +455,46 @@ def test_compiles_with_fullgraph_on_cpu(small_moe):
     assert torch.equal(fused(x, ids, tw, res), int4_moe(x, w, ids, tw, shared=shared, residual=res))
 
 
+def test_cpu_kernel_remembers_dequantised_experts_until_the_weights_change(fresh_seed):
+    """The CPU kernel (the reference with each expert's dequantised weights kept per weight tensor)
+    equals the reference on every call, dequantises an expert once while the weights are unchanged,
+    and again after an in-place change of the packed weights or of the scales."""
+    from torch_kdtree.ops import moe as moe_ops
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    E, H, I = 4, 128, 64
+    parts = [(torch.randint(-2**31, 2**31, (E, n, k // 8), generator=gen, dtype=torch.int32),
+              (torch.rand((E, n, k // 32), generator=gen) * 0.02 + 0.01).to(torch.bfloat16))
+             for n, k in ((I, H), (I, H), (H, I))]
+    w = int4_moe_weights(*parts[0], *parts[1], *parts[2], group_size=32)
+    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
+    tw = torch.rand(5, 2, generator=gen)
+    calls = []
+    real = moe_ops._dequant_expert
+
+    def counted(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    moe_ops._dequant_expert = counted
+    try:
+        used = len(torch.unique(ids))
+        for change, want in ((None, 2 * used), (None, 0), ("qweight", used), ("scales", used)):
+            if change == "qweight":
+                w.w13_qweight[0].bitwise_xor_(0x11111111)  # in place: the version counter moves
+            elif change == "scales":
+                w.w2_scales.mul_(2)
+            calls.clear()
+            out = int4_moe(x, w, ids, tw)
+            # first call: every used expert's w13 and w2; unchanged: none; after a change: that tensor's
+            assert len(calls) == want, (change, len(calls), used)
+            ref = int4_moe_reference(x, *w[:4], ids, tw, None, w.group_size, _dequant=real)
+            assert torch.equal(out, ref)
+    finally:
+        moe_ops._dequant_expert = real
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA: kernels against the reference (fresh random weights and routings every run)
 # --------------------------------------------------------------------------------------------

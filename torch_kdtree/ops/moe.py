@@ -30,6 +30,7 @@ their launches with programmatic dependent launch unless it is off (``KDTREE_PDL
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -393,13 +394,43 @@ def _dequant_expert(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_s
     return (nib.to(torch.float32) - 8.0) * s.to(torch.float32).repeat_interleave(group_size, dim=-1)
 
 
+# The CPU kernel is the reference below with each expert's dequantised weights kept between calls:
+# unpacking an expert from the kernel layout (a 9-dimensional permutation of its nibbles) took
+# ~0.29 ms for 256 x 256 on a CPU core, so a 17-node tree of the default pair, which routes to all
+# 32 experts of its 4 MoE layers, spent ~38 ms of a 64 ms verify pass on it (bench/RESULTS.md, CPU
+# notes 2026-12-05).  Kept per weight tensor while it lives and is unchanged (its version counter
+# and address), only for tensors whose float32 copy is at most DEQUANT_CACHE_BYTES.
+DEQUANT_CACHE_BYTES = 256 << 20
+_DEQUANT_CACHE: dict[int, tuple] = {}  # id(qweight) -> (weak reference, key, {expert: weight})
+
+
+def _forget(ref, i: int) -> None:
+    if _DEQUANT_CACHE.get(i, (None,))[0] is ref:
+        del _DEQUANT_CACHE[i]
+
+
+def _cached_dequant(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_size: int) -> torch.Tensor:
+    """:func:`_dequant_expert`, remembered per (weight tensor, expert) (see DEQUANT_CACHE_BYTES)."""
+    if qweight.numel() * 8 * 4 > DEQUANT_CACHE_BYTES or torch.compiler.is_compiling():
+        return _dequant_expert(qweight, scales, e, group_size)
+    key = (qweight._version, qweight.data_ptr(), scales._version, scales.data_ptr(), group_size)
+    entry = _DEQUANT_CACHE.get(id(qweight))
+    if entry is None or entry[0]() is not qweight or entry[1] != key:
+        entry = (weakref.ref(qweight, lambda ref, i=id(qweight): _forget(ref, i)), key, {})
+        _DEQUANT_CACHE[id(qweight)] = entry
+    w = entry[2].get(e)
+    if w is None:
+        w = entry[2][e] = _dequant_expert(qweight, scales, e, group_size)
+    return w
+
+
 def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tensor,
                        w2_qweight: torch.Tensor, w2_scales: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], group_size: int,
                        block_size: int = 8, k_splits: int = 1, shared_gate: Optional[torch.Tensor] = None,
                        shared_up: Optional[torch.Tensor] = None, shared_down: Optional[torch.Tensor] = None,
-                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Pure-torch reference (and CPU kernel) of ``kdtree::int4_moe``: per used expert, dequantise
+                       residual: Optional[torch.Tensor] = None, *, _dequant=_dequant_expert) -> torch.Tensor:
+    """Pure-torch reference (and, with its dequantised experts remembered, the CPU kernel) of ``kdtree::int4_moe``: per used expert, dequantise
     to float32, gate/up matmuls, SiLU(gate) * up, down matmul, scale by the router weight; then
     sum the top-k terms in order j = 0..k-1 in float32 [plus the shared expert's
     ``down(SiLU(gate x) * up x)`` in float32] and round to x's dtype [then add the residual and
@@ -424,9 +455,9 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
     xf = x.to(torch.float32)
     for e in torch.unique(local[local >= 0]).tolist():
         rows, js = torch.nonzero(local == e, as_tuple=True)
-        w13 = _dequant_expert(w13_qweight, w13_scales, e, group_size).reshape(I // 16, 2, 16, H)
+        w13 = _dequant(w13_qweight, w13_scales, e, group_size).reshape(I // 16, 2, 16, H)
         gate, up = w13[:, 0].reshape(I, H), w13[:, 1].reshape(I, H)
-        down = _dequant_expert(w2_qweight, w2_scales, e, group_size)
+        down = _dequant(w2_qweight, w2_scales, e, group_size)
         xe = xf[rows]
         act = torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)
         terms[rows, js] = (act @ down.T) * topk_weights[rows, js].unsqueeze(-1)
@@ -444,7 +475,7 @@ def _int4_moe_out_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, t
                             group_size, block_size, k_splits, workspace, out) -> None:
     _check_out(x, workspace, out)
     out.copy_(int4_moe_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights,
-                                 expert_map, group_size, block_size, k_splits))
+                                 expert_map, group_size, block_size, k_splits, _dequant=_cached_dequant))
 
 
 def _check_out(x, workspace, out, needed: int | None = None) -> None:
@@ -530,7 +561,14 @@ def int4_moe_out(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 torch.library.register_kernel("kdtree::int4_repack", "cpu", int4_repack_reference)
-torch.library.register_kernel("kdtree::int4_moe", "cpu", int4_moe_reference)
+def _int4_moe_cpu(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
+                  block_size=8, k_splits=1, shared_gate=None, shared_up=None, shared_down=None, residual=None):
+    return int4_moe_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map,
+                              group_size, block_size, k_splits, shared_gate, shared_up, shared_down, residual,
+                              _dequant=_cached_dequant)
+
+
+torch.library.register_kernel("kdtree::int4_moe", "cpu", _int4_moe_cpu)
 torch.library.register_kernel("kdtree::int4_moe_out", "cpu", _int4_moe_out_reference)
 
 
