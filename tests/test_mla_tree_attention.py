@@ -530,24 +530,33 @@ def test_cuda_graph_replays_with_changed_lengths(fresh_seed, prefix_ready):
     # the block table covers 40k positions; lengths change between replays, shapes never do
     q, kv, bt, cl, vis, _ = make_case(R, N, H, page_size, [40000 - N, 40000 - N], gen, device="cuda",
                                       visible=random_tree_visible(R, N, gen, device="cuda"))
+    _check_replays_with_changed_lengths(
+        lambda lens, out, lse: torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, lens, vis, SCALE, out, lse,
+                                                                       prefix_ready),
+        lambda lens: _reference_on_cuda(q, kv, bt, lens, vis)[0], R, N, H)
+
+
+def _check_replays_with_changed_lengths(run, reference, R, N, H):
+    """``run(lens, out, lse)`` (mla_tree_attention_out over a block table of 40k positions) captured
+    in a CUDA graph, replayed with the lengths changed in place (shapes never change): every replay
+    writes all of ``out`` and stays within BF16_TOL of ``reference(lens)``."""
     out = torch.full((R, N, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(R, N, H, device="cuda")
     static_lens = torch.tensor([10, 10], dtype=torch.int32, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse, prefix_ready)
+        run(static_lens, out, lse)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv, bt, static_lens, vis, SCALE, out, lse, prefix_ready)
+        run(static_lens, out, lse)
     for lens in ([10, 10], [39000, 5], [0, 25000], [40000 - N, 257]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        ref = _reference_on_cuda(q, kv, bt, static_lens, vis)[0]
         assert not torch.isnan(out).any()
-        assert rel_err(out, ref) < BF16_TOL, lens
+        assert rel_err(out, reference(static_lens)) < BF16_TOL, lens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,22 +665,8 @@ def test_cuda_fp8_graph_replays_with_changed_lengths(fresh_seed, N, H):
     R, page_size = 2, 64
     q, kv8, scale, bt, cl, vis, _ = make_fp8_case(R, N, H, page_size, [40000 - N, 40000 - N], gen, device="cuda",
                                                   visible=random_tree_visible(R, N, gen, device="cuda"))
-    out = torch.full((R, N, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lse = torch.empty(R, N, H, device="cuda")
-    static_lens = torch.tensor([10, 10], dtype=torch.int32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv8, bt, static_lens, vis, SCALE, out, lse, True, scale)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.kdtree.mla_tree_attention_out(q, kv8, bt, static_lens, vis, SCALE, out, lse, True, scale)
     from torch_kdtree.ops.mla import _attend
-    for lens in ([10, 10], [39000, 5], [0, 25000], [40000 - N, 257]):
-        static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = _attend(q, kv8, bt, static_lens, vis, SCALE, scale)[0]
-        assert not torch.isnan(out).any()
-        assert rel_err(out, ref) < BF16_TOL, lens
+    _check_replays_with_changed_lengths(
+        lambda lens, out, lse: torch.ops.kdtree.mla_tree_attention_out(q, kv8, bt, lens, vis, SCALE, out, lse, True,
+                                                                       scale),
+        lambda lens: _attend(q, kv8, bt, lens, vis, SCALE, scale)[0], R, N, H)

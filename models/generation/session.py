@@ -372,12 +372,10 @@ class GenerationSession:
         self.drafter.append_context(self.pending, self.pending_n)
         self.pending_n.zero_()
 
-    def _flush_before(self, budget: int) -> None:
-        """Run the flush when this step needs it: before a tree step (the drafter reads its context)
-        or before an AR step that would overfill the store."""
-        if self._deferred and (budget or self._deferred == self.defer):
-            self._run("flush", self._fns["flush"])
-            self._deferred = 0
+    def _flush_due(self, budget: int) -> bool:
+        """Whether a step at ``budget`` needs the flush first: a tree step (the drafter reads its
+        context) or an AR step that would overfill the store, after stored AR steps."""
+        return bool(self._deferred) and (budget > 0 or self._deferred == self.defer)
 
     def _emit(self, new: torch.Tensor, count: torch.Tensor, active: torch.Tensor) -> None:
         """Append new[r, :count[r]] to the output of the active requests; mark finished ones."""
@@ -443,7 +441,9 @@ class GenerationSession:
             self._run("prepare", self._fns["prepare"])
         if self._timing is not None:
             self._timing.append(self._clock())
-        self._flush_before(budget)  # inside the timed region: it is part of what the steps cost
+        if self._flush_due(budget):  # inside the timed region: it is part of what the steps cost
+            self._run("flush", self._fns["flush"])
+            self._deferred = 0
         self._run(budget, self._fns[budget])
         if self._timing is not None:
             self._timing.append(self._clock())
@@ -470,7 +470,7 @@ class GenerationSession:
             self._run("prepare", self._fns["prepare"])
         self._timer = PhaseTimer(self.device)
         try:
-            if self._deferred and (budget or self._deferred == self.defer):
+            if self._flush_due(budget):
                 self._phase("commit")  # the stored AR taps' flush counts as commit work
                 self._flush()
                 self._deferred = 0

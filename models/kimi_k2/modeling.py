@@ -225,7 +225,7 @@ class KimiK2Attention(nn.Module):
         cache.write(layer_idx, batch.slots, latent)
         R, N = q_nope.shape[:2]
         w_uk, w_uv = self._kv_b()
-        S = batch.keys or cache.block_table.shape[1] * cache.page_size
+        S = batch.keys or cache.capacity
         keys = cache.read(layer_idx, S)  # [R, S, dc + dr] (dequantised from an fp8 cache)
         # q rounded to the keys' dtype, as the kernels' operands are
         q = torch.cat([torch.einsum("rnhd,hdc->rnhc", q_nope, w_uk), q_rope], dim=-1).to(keys.dtype).float()
@@ -541,8 +541,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
                              "plan the pass with this cache (model.model.plan_pass(..., cache=cache))")
         if plan.live_keys and isinstance(batch, _Tree):  # eager CPU: read only the positions in use
             page = cache.page_size
-            reach = cache.block_table.shape[1] * page
-            batch = batch._replace(keys=min(reach, -(-(int(cache.lengths.max()) + T) // page) * page))
+            batch = batch._replace(keys=min(cache.capacity, -(-(int(cache.lengths.max()) + T) // page) * page))
         cos, sin = self.rotary_emb(positions)
         h = self.embed_tokens(input_ids)
         tp = getattr(self, "tp", None)
@@ -560,7 +559,7 @@ class KimiK2Model(KimiK2PreTrainedModel):
                   dtype: Optional[torch.dtype] = None, compiled: bool = False) -> PassPlan:
         """The :class:`~.plan.PassPlan` of a pass of R requests of T tokens on this model's device
         (a tree pass or a prefill; ``compiled``: under torch.compile), over ``cache``."""
-        keys = cache.block_table.shape[1] * cache.page_size if cache is not None else 0
+        keys = cache.capacity if cache is not None else 0
         return plan_pass(self, tokens=T, rows=R * T, tree=tree, target=target_of(self.embed_tokens.weight.device,
                                                                                  compiled),
                          dtype=dtype, cache_keys=keys, kv_cache_dtype=cache.kv.dtype if cache is not None else None)
