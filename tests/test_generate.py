@@ -557,7 +557,13 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor):
 def _prefill_routed(model, prefix: torch.Tensor, hook) -> torch.Tensor:
     """The fp32 logits of a prefill of ``prefix`` [L] whose routers' choices go through
     ``hook(layer, router, logits) -> logits`` first (layer: the MoE layer's index in call order;
-    logits: that router's fp32 logits [L, E])."""
+    logits: that router's fp32 logits [L, E]).
+
+    Each router gets a (no-op) forward pre-hook for the pass: the plan then calls hooked MoE blocks'
+    routers as modules, so their choice goes through ``KimiK2Router.route`` on every device.  Without
+    it a plan with ``kdtree::moe_route`` (CUDA) launches the op directly, the patched ``route`` never
+    runs, and the sacred tests' tie diagnostics saw no router at all (run 175: "nearest expert-choice
+    ties: []")."""
     from torch_kdtree.models.kimi_k2.moe import KimiK2Router
 
     real = KimiK2Router.route
@@ -566,12 +572,16 @@ def _prefill_routed(model, prefix: torch.Tensor, hook) -> torch.Tensor:
     def hooked(self, logits, **kwargs):  # the plan's forms pass topk= (fused.route)
         return real(self, hook(next(calls), self, logits), **kwargs)
 
+    handles = [m.register_forward_pre_hook(lambda module, args: None)
+               for m in model.modules() if isinstance(m, KimiK2Router)]
     KimiK2Router.route = hooked
     try:
         with torch.no_grad():
             return model(prefix[None]).logits[0].float()
     finally:
         KimiK2Router.route = real
+        for h in handles:
+            h.remove()
 
 
 def routing_margins(model, prefix: torch.Tensor, start: int) -> list[tuple[float, int, int]]:
@@ -625,6 +635,38 @@ def test_routing_margins_names_each_moe_layer_from_its_router_scores():
         want = top[:, -2] - top[:, -1]
         assert 8 <= pos < 12 and abs(gap - want.min().item()) <= 1e-5 * max(1.0, scores.abs().max().item())
         assert int(want.argmin()) + 8 == pos or abs(want[pos - 8].item() - want.min().item()) <= 1e-5
+
+
+def test_tie_diagnostics_see_the_routers_where_the_plan_launches_moe_route():
+    """A plan with a kdtree::moe_route kernel (CUDA's; here kernels=ALL through the reference)
+    chooses the experts without ``KimiK2Router.route``: routing_margins and expert_tie_flip's
+    prefills must still see every router, with the gaps of the default plan's pass (run 175 on the
+    H200 found the diagnostics blind: no router seen, every tie called a divergence)."""
+    from torch_kdtree.models.kimi_k2.moe import KimiK2MoE
+    from torch_kdtree.models.kimi_k2.plan import ALL, Target, plan_pass
+
+    model = target(21, num_hidden_layers=3)
+    prefix = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(21))
+    blocks = [m for m in model.modules() if isinstance(m, KimiK2MoE)]
+    kernels = Target("cpu", False, ALL)
+    unhooked = plan_pass(model, tokens=12, rows=12, tree=False, target=kernels)
+    assert {lp.route for lp in unhooked.layers if lp.route} == {"moe_route"} and len(blocks) >= 2
+    plain = routing_margins(model, prefix, 8)
+    base, rows = _last_position(model, prefix)
+    model.model.plan_pass = lambda R, T, *, tree, dtype=None, **kw: plan_pass(model, tokens=T, rows=R * T, tree=tree,
+                                                                              target=kernels, dtype=dtype)
+    found = routing_margins(model, prefix, 8)
+    k_base, k_rows = _last_position(model, prefix)
+    assert [(layer, pos) for _, layer, pos in found] == [(layer, pos) for _, layer, pos in plain]
+    for (gap, _, _), (want, _, _) in zip(found, plain):
+        assert abs(gap - want) <= 1e-5
+    assert len(k_rows) == len(rows) == len(blocks)
+    for (row, router), (want, want_router) in zip(k_rows, rows):
+        assert router is want_router
+        torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_base, base, rtol=1e-4, atol=1e-4)
+    knocked, _ = _last_position(model, prefix, (0, int(k_rows[0][0].argmax())))  # layer 0's top expert out
+    assert not torch.equal(knocked, k_base)
 
 
 SCORE_TIE = 4 * 2.0 ** -8  # 4 bf16 ulps of a biased router score (sigmoid + bias, about 1)
