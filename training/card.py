@@ -125,8 +125,9 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         f"| drafter agreement by depth 1..{len(d['per_depth_agreement'])} | "
         f"{', '.join(f'{x:.2f}' for x in d['per_depth_agreement'])} | |",
         f"| teacher-forced chain acceptance (1 + leading depths right) | {d['chain_acceptance_teacher_forced']:.2f} | |",
-        f"| greedy DDTree (B = {check['budget']}) equals greedy AR | {check['equal']} ({check['prompts']} prompts x "
-        f"{check['new_tokens']} tokens, {check['dtype'].removeprefix('torch.')}) | equal |",
+        f"| greedy DDTree (B = {check['budget']}) equals greedy AR, token for token | {check['equal']} "
+        f"({check['prompts']} prompts x {check['new_tokens']} tokens, {check['dtype'].removeprefix('torch.')}) | "
+        f"{_equality_target(check['dtype'])} |",
         f"| mean acceptance length there | {check['mean_accept_length']:.2f} | |",
         f"| wall-clock DDTree / AR there | {check['speedup_wall']:.2f}x ({check['ddtree_tokens_per_second']:.1f} vs "
         f"{check['ar_tokens_per_second']:.1f} tokens/s, {check['device']}) | |",
@@ -157,6 +158,14 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _equality_target(dtype: str) -> str:
+    """The sacred rule for the check's dtype: exact in fp32; in bf16 tree and single-token passes
+    break bf16 ties differently, and tests/test_default_pair.py applies the tie rule."""
+    if dtype == "torch.float32":
+        return "equal"
+    return "equal up to bf16 ties (exact equality not expected; tests/test_default_pair.py checks the ties)"
 
 
 def _acceptance_rows(sweep: dict) -> list[str]:
