@@ -456,9 +456,11 @@ def test_compiles_with_fullgraph_on_cpu(small_moe):
 
 
 def test_cpu_kernel_remembers_dequantised_experts_until_the_weights_change(fresh_seed):
-    """The CPU kernel (the reference with each expert's dequantised weights kept per weight tensor)
-    equals the reference on every call, dequantises an expert once while the weights are unchanged,
-    and again after an in-place change of the packed weights or of the scales."""
+    """The CPU kernel (the reference's arithmetic over float32 experts kept per weight tensor, the
+    experts' matmuls grouped by expert) equals the reference on every call, dequantises each weight
+    tensor once while it is unchanged, and again after an in-place change of its packed weights or
+    of its scales; expert_map's -1 (another rank's expert), the shared expert and the residual
+    included."""
     from torch_kdtree.ops import moe as moe_ops
 
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -467,32 +469,60 @@ def test_cpu_kernel_remembers_dequantised_experts_until_the_weights_change(fresh
               (torch.rand((E, n, k // 32), generator=gen) * 0.02 + 0.01).to(torch.bfloat16))
              for n, k in ((I, H), (I, H), (H, I))]
     w = int4_moe_weights(*parts[0], *parts[1], *parts[2], group_size=32)
-    x = torch.randn(5, H, generator=gen).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
+    x = torch.randn(5, H, generator=gen)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
     tw = torch.rand(5, 2, generator=gen)
+    emap = torch.tensor([2, -1, 0, 3, -1, 1], dtype=torch.int32)  # 6 global experts, 4 here
+    shared = make_shared(gen, H, 32)
+    res = torch.randn(5, H, generator=gen)
     calls = []
-    real = moe_ops._dequant_expert
+    real = moe_ops._dequant_all
 
-    def counted(*args):
-        calls.append(args[2])
-        return real(*args)
+    def counted(qweight, *args):
+        calls.append(qweight.shape)
+        return real(qweight, *args)
 
-    moe_ops._dequant_expert = counted
+    moe_ops._dequant_all = counted
     try:
-        used = len(torch.unique(ids))
-        for change, want in ((None, 2 * used), (None, 0), ("qweight", used), ("scales", used)):
+        for change, want in ((None, 2), (None, 0), ("qweight", 1), ("scales", 1)):
             if change == "qweight":
                 w.w13_qweight[0].bitwise_xor_(0x11111111)  # in place: the version counter moves
             elif change == "scales":
                 w.w2_scales.mul_(2)
             calls.clear()
-            out = int4_moe(x, w, ids, tw)
-            # first call: every used expert's w13 and w2; unchanged: none; after a change: that tensor's
-            assert len(calls) == want, (change, len(calls), used)
-            ref = int4_moe_reference(x, *w[:4], ids, tw, None, w.group_size, _dequant=real)
-            assert torch.equal(out, ref)
+            for xx in (x, x.to(torch.bfloat16)):
+                out = int4_moe(xx, w, ids, tw, expert_map=emap, shared=tuple(t.to(xx.dtype) for t in shared),
+                               residual=res.to(xx.dtype))
+                ref = int4_moe_reference(xx, *w[:4], ids, tw, emap, w.group_size, 8, 1,
+                                         *(t.to(xx.dtype) for t in shared), res.to(xx.dtype))
+                tol = {"rtol": 1e-5, "atol": 1e-5} if xx.dtype == torch.float32 else {}
+                torch.testing.assert_close(out, ref, **tol)
+            # first call: w13 and w2; unchanged: none; after a change: that tensor's
+            assert len(calls) == want, (change, calls)
     finally:
-        moe_ops._dequant_expert = real
+        moe_ops._dequant_all = real
+
+
+def test_cpu_kernel_grouped_matmul_equals_its_segment_loop(fresh_seed):
+    """The CPU kernel's grouped matmul (torch._grouped_mm where it runs on the CPU) and its
+    fallback loop over expert segments give the same rows, empty segments included."""
+    from torch_kdtree.ops import moe as moe_ops
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    w = torch.randn(7, 48, 32, generator=gen)
+    experts = torch.sort(torch.randint(0, 7, (19,), generator=gen)).values
+    experts[experts == 3] = 4  # an empty segment in the middle
+    a = torch.randn(19, 32, generator=gen)
+    want = torch.stack([w[e] @ a[s] for s, e in enumerate(experts.tolist())])
+    grouped = moe_ops._grouped_matmul(a, w, experts)
+    saved = moe_ops._GROUPED_MM_CPU[0]
+    moe_ops._GROUPED_MM_CPU[0] = False
+    try:
+        looped = moe_ops._grouped_matmul(a, w, experts)
+    finally:
+        moe_ops._GROUPED_MM_CPU[0] = saved
+    torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(looped, want, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -394,14 +394,22 @@ def _dequant_expert(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_s
     return (nib.to(torch.float32) - 8.0) * s.to(torch.float32).repeat_interleave(group_size, dim=-1)
 
 
-# The CPU kernel is the reference below with each expert's dequantised weights kept between calls:
-# unpacking an expert from the kernel layout (a 9-dimensional permutation of its nibbles) took
-# ~0.29 ms for 256 x 256 on a CPU core, so a 17-node tree of the default pair, which routes to all
-# 32 experts of its 4 MoE layers, spent ~38 ms of a 64 ms verify pass on it (bench/RESULTS.md, CPU
-# notes 2026-12-05).  Kept per weight tensor while it lives and is unchanged (its version counter
-# and address), only for tensors whose float32 copy is at most DEQUANT_CACHE_BYTES.
+def _dequant_all(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Float32 [E, N, K] weights of every expert (:func:`_dequant_expert` of each, stacked)."""
+    nib = _from_kernel_nibbles(_unpack_nibbles(qweight).reshape(*qweight.shape[:3], 1024))
+    s = _from_kernel_scales(scales)
+    return (nib.to(torch.float32) - 8.0) * s.to(torch.float32).repeat_interleave(group_size, dim=-1)
+
+
+# The CPU kernel (_int4_moe_cpu, below the reference) does the reference's arithmetic on float32
+# copies of all experts made once per weight tensor: unpacking an expert from the kernel layout (a
+# 9-dimensional permutation of its nibbles) took ~0.29 ms for 256 x 256 on a CPU core, and a 17-node
+# tree of the default pair routes to all 32 experts of its 4 MoE layers (bench/RESULTS.md, CPU notes
+# 2026-12-05).  Kept per weight tensor while it lives and is unchanged (its version counter and
+# address), only for tensors whose float32 copy is at most DEQUANT_CACHE_BYTES; larger ones (a real
+# K2 layer: 384 experts) and traced calls run the reference itself.
 DEQUANT_CACHE_BYTES = 256 << 20
-_DEQUANT_CACHE: dict[int, tuple] = {}  # id(qweight) -> (weak reference, key, {expert: weight})
+_DEQUANT_CACHE: dict[int, tuple] = {}  # id(qweight) -> (weak reference, key, float32 [E, N, K])
 
 
 def _forget(ref, i: int) -> None:
@@ -409,19 +417,22 @@ def _forget(ref, i: int) -> None:
         del _DEQUANT_CACHE[i]
 
 
-def _cached_dequant(qweight: torch.Tensor, scales: torch.Tensor, e: int, group_size: int) -> torch.Tensor:
-    """:func:`_dequant_expert`, remembered per (weight tensor, expert) (see DEQUANT_CACHE_BYTES)."""
+def _cached_stack(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, gate_up: bool) -> torch.Tensor | None:
+    """:func:`_dequant_all` of a weight tensor, remembered (see DEQUANT_CACHE_BYTES); None where it
+    is not kept.  ``gate_up``: w13's rows reordered from the kernel's interleaved 16-row blocks
+    (gate, up, gate, ...) to all gate rows then all up rows, [E, 2I, H]."""
     if qweight.numel() * 8 * 4 > DEQUANT_CACHE_BYTES or torch.compiler.is_compiling():
-        return _dequant_expert(qweight, scales, e, group_size)
-    key = (qweight._version, qweight.data_ptr(), scales._version, scales.data_ptr(), group_size)
+        return None
+    key = (qweight._version, qweight.data_ptr(), scales._version, scales.data_ptr(), group_size, gate_up)
     entry = _DEQUANT_CACHE.get(id(qweight))
     if entry is None or entry[0]() is not qweight or entry[1] != key:
-        entry = (weakref.ref(qweight, lambda ref, i=id(qweight): _forget(ref, i)), key, {})
+        w = _dequant_all(qweight, scales, group_size)
+        if gate_up:
+            E, N, K = w.shape
+            w = w.reshape(E, N // 32, 2, 16, K).transpose(1, 2).reshape(E, N, K).contiguous()
+        entry = (weakref.ref(qweight, lambda ref, i=id(qweight): _forget(ref, i)), key, w)
         _DEQUANT_CACHE[id(qweight)] = entry
-    w = entry[2].get(e)
-    if w is None:
-        w = entry[2][e] = _dequant_expert(qweight, scales, e, group_size)
-    return w
+    return entry[2]
 
 
 def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tensor,
@@ -429,20 +440,35 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
                        topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], group_size: int,
                        block_size: int = 8, k_splits: int = 1, shared_gate: Optional[torch.Tensor] = None,
                        shared_up: Optional[torch.Tensor] = None, shared_down: Optional[torch.Tensor] = None,
-                       residual: Optional[torch.Tensor] = None, *, _dequant=_dequant_expert) -> torch.Tensor:
-    """Pure-torch reference (and, with its dequantised experts remembered, the CPU kernel) of ``kdtree::int4_moe``: per used expert, dequantise
-    to float32, gate/up matmuls, SiLU(gate) * up, down matmul, scale by the router weight; then
-    sum the top-k terms in order j = 0..k-1 in float32 [plus the shared expert's
-    ``down(SiLU(gate x) * up x)`` in float32] and round to x's dtype [then add the residual and
-    round again].  Ids that are out of range or map to -1 contribute nothing (eager calls reject
-    out-of-range ids first)."""
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pure-torch reference of ``kdtree::int4_moe``: per used expert, dequantise to float32,
+    gate/up matmuls, SiLU(gate) * up, down matmul, scale by the router weight; then sum the top-k
+    terms in order j = 0..k-1 in float32 [plus the shared expert's ``down(SiLU(gate x) * up x)`` in
+    float32] and round to x's dtype [then add the residual and round again].  Ids that are out of
+    range or map to -1 contribute nothing (eager calls reject out-of-range ids first)."""
     _check_moe(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
                block_size, k_splits)
     check_shared_expert("int4_moe", x, shared_gate, shared_up, shared_down, residual)
     T, H = x.shape
     k = topk_ids.shape[1]
-    E = w13_qweight.shape[0]
     I = w13_qweight.shape[1] * TILE_N // 2
+    local = _local_ids(topk_ids, expert_map, w13_qweight.shape[0])
+    terms = torch.zeros((T, k, H), dtype=torch.float32, device=x.device)
+    xf = x.to(torch.float32)
+    for e in torch.unique(local[local >= 0]).tolist():
+        rows, js = torch.nonzero(local == e, as_tuple=True)
+        w13 = _dequant_expert(w13_qweight, w13_scales, e, group_size).reshape(I // 16, 2, 16, H)
+        gate, up = w13[:, 0].reshape(I, H), w13[:, 1].reshape(I, H)
+        down = _dequant_expert(w2_qweight, w2_scales, e, group_size)
+        xe = xf[rows]
+        act = torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)
+        terms[rows, js] = (act @ down.T) * topk_weights[rows, js].unsqueeze(-1)
+    return _combine(x, terms, shared_gate, shared_up, shared_down, residual)
+
+
+def _local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> torch.Tensor:
+    """int64 [T, k]: each slot's local expert index, -1 where it contributes nothing (an id out of
+    range, or one that ``expert_map`` puts on another rank)."""
     ids = topk_ids.long()
     if expert_map is not None:
         num_global = expert_map.shape[0]
@@ -450,19 +476,15 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
         local = torch.where(inside, expert_map.long()[ids.clamp(0, num_global - 1)], torch.full_like(ids, -1))
     else:
         local = ids
-    local = torch.where((local >= 0) & (local < E), local, torch.full_like(local, -1))
-    terms = torch.zeros((T, k, H), dtype=torch.float32, device=x.device)
+    return torch.where((local >= 0) & (local < E), local, torch.full_like(local, -1))
+
+
+def _combine(x, terms, shared_gate, shared_up, shared_down, residual) -> torch.Tensor:
+    """The routed terms float32 [T, k, H] summed in order j = 0..k-1, plus the shared expert,
+    rounded to x's dtype; then the residual added and rounded again."""
     xf = x.to(torch.float32)
-    for e in torch.unique(local[local >= 0]).tolist():
-        rows, js = torch.nonzero(local == e, as_tuple=True)
-        w13 = _dequant(w13_qweight, w13_scales, e, group_size).reshape(I // 16, 2, 16, H)
-        gate, up = w13[:, 0].reshape(I, H), w13[:, 1].reshape(I, H)
-        down = _dequant(w2_qweight, w2_scales, e, group_size)
-        xe = xf[rows]
-        act = torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)
-        terms[rows, js] = (act @ down.T) * topk_weights[rows, js].unsqueeze(-1)
-    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    for j in range(k):
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(terms.shape[1]):
         out += terms[:, j]
     if shared_gate is not None:
         act = torch.nn.functional.silu(xf @ shared_gate.float().T) * (xf @ shared_up.float().T)
@@ -471,11 +493,34 @@ def int4_moe_reference(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: t
     return out if residual is None else (residual.float() + out.float()).to(x.dtype)
 
 
+_GROUPED_MM_CPU: list[bool] = [getattr(torch, "_grouped_mm", None) is not None]  # [False] once it fails here
+
+
+def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """[S, N] = per row s, ``a[s] @ w[experts[s]].T``, for ``experts`` sorted (rows of one expert
+    contiguous): one ``torch._grouped_mm`` over the expert segments, or a loop over the segments
+    where this torch's grouped_mm does not run on the CPU (each segment one matmul either way)."""
+    E = w.shape[0]
+    offs = torch.bincount(experts, minlength=E).cumsum(0).to(torch.int32)
+    if _GROUPED_MM_CPU[0]:
+        try:
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_CPU[0] = False
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ w[e].T
+        start = end
+    return out
+
+
 def _int4_moe_out_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map,
                             group_size, block_size, k_splits, workspace, out) -> None:
     _check_out(x, workspace, out)
-    out.copy_(int4_moe_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights,
-                                 expert_map, group_size, block_size, k_splits, _dequant=_cached_dequant))
+    out.copy_(_int4_moe_cpu(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map,
+                            group_size, block_size, k_splits))
 
 
 def _check_out(x, workspace, out, needed: int | None = None) -> None:
@@ -563,9 +608,31 @@ def int4_moe_out(x: torch.Tensor, weights: Int4MoEWeights, topk_ids: torch.Tenso
 torch.library.register_kernel("kdtree::int4_repack", "cpu", int4_repack_reference)
 def _int4_moe_cpu(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
                   block_size=8, k_splits=1, shared_gate=None, shared_up=None, shared_down=None, residual=None):
-    return int4_moe_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map,
-                              group_size, block_size, k_splits, shared_gate, shared_up, shared_down, residual,
-                              _dequant=_cached_dequant)
+    """The CPU kernel: the reference's arithmetic over the remembered float32 experts
+    (:func:`_cached_stack`), the slots sorted by expert and each of the three matmuls of the
+    reference done as one matmul per used expert segment (gate and up together: the same dot
+    products); the reference itself where the weights are not kept."""
+    w13 = _cached_stack(w13_qweight, w13_scales, group_size, gate_up=True)
+    w2 = _cached_stack(w2_qweight, w2_scales, group_size, gate_up=False) if w13 is not None else None
+    if w2 is None:
+        return int4_moe_reference(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights,
+                                  expert_map, group_size, block_size, k_splits, shared_gate, shared_up, shared_down,
+                                  residual)
+    _check_moe(x, w13_qweight, w13_scales, w2_qweight, w2_scales, topk_ids, topk_weights, expert_map, group_size,
+               block_size, k_splits)
+    check_shared_expert("int4_moe", x, shared_gate, shared_up, shared_down, residual)
+    T, H = x.shape
+    k, I = topk_ids.shape[1], w2.shape[2]
+    flat = _local_ids(topk_ids, expert_map, w13.shape[0]).reshape(-1)
+    used = torch.nonzero(flat >= 0).squeeze(1)
+    order = used[torch.argsort(flat[used], stable=True)]
+    terms = torch.zeros((T * k, H), dtype=torch.float32, device=x.device)
+    if order.numel():
+        experts = flat[order]
+        h = _grouped_matmul(x.to(torch.float32)[order // k], w13, experts)
+        act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        terms[order] = _grouped_matmul(act, w2, experts) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    return _combine(x, terms.view(T, k, H), shared_gate, shared_up, shared_down, residual)
 
 
 torch.library.register_kernel("kdtree::int4_moe", "cpu", _int4_moe_cpu)
