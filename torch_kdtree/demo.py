@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=_budget, default=None,
                     help="tree budget B in 1..1024, or 'auto' (default: 16 on a GPU; 8 on the CPU, where a verify "
                          "pass costs compute in proportion to its B + 1 nodes: with the default pair, DDTree / AR "
-                         "was 0.94-1.15x at 8 and 0.79-0.85x at 16 on a 2-core CPU, 2026-12-05)")
+                         "was 1.08-1.21x at 8 and 1.03-1.04x at 16 on a 2-core CPU, 2026-12-05)")
     ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=None,
                     help="the random drafter's block size (L = block size - 1), 2..16 (default 4; a trained "
                          "drafter has its own)")
@@ -143,7 +143,10 @@ def main(argv=None) -> None:
     if budget is None:
         budget = 16 if device == "cuda" else 8
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.set_num_threads(1)  # small matrices: more threads only add overhead
+    # at most 2 threads: on the 2-core CPU, 2 beat 1 for both decodings of the default pair (B = 8,
+    # medians of 6 interleaved runs: AR 454 -> 439 ms, DDTree 456 -> 386 ms; bench/RESULTS.md, CPU
+    # notes 2026-12-05); more threads on these small matrices are unmeasured
+    torch.set_num_threads(min(2, torch.get_num_threads()))
     print(f"torch_kdtree {torch_kdtree.__version__} on {device}: {torch_kdtree.build_info()}")
     path = None
     if args.pair == "auto":
