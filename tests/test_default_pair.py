@@ -42,6 +42,48 @@ def test_default_pair_greedy_ddtree_equals_autoregressive_fp32_cpu(budget):
     assert dd.mean_accept_length > 1.5  # the trained drafter is right most of the time (card: 4.4 at B = 8)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
+def test_default_pair_greedy_ddtree_equals_autoregressive_over_a_quantised_cache(kv_cache_dtype):
+    """The sacred property with both decodings over the same fp8 (or bf16) latent cache (issue 50)."""
+    with one_thread():
+        target, drafter, tokenizer = load_default_pair("cpu", torch.float32)
+        ids, mask = _batch(tokenizer, 2, "cpu")
+        common = dict(attention_mask=mask, max_new_tokens=32, eos_token_id=None, kv_cache_dtype=kv_cache_dtype)
+        ar = target.generate(ids, **common)
+        dd = target.generate(ids, drafter=drafter, tree_budget=8, return_dict_in_generate=True, **common)
+    assert torch.equal(dd.sequences, ar)
+    assert dd.mean_accept_length > 1.5
+
+
+def test_default_pair_fp8_cache_keeps_the_bf16_caches_top1_over_2000_greedy_tokens():
+    """Issue 50's accuracy check on the shipped pair (fp32 model, CPU): 4 held-out prompts x 500
+    greedy tokens decoded over a bf16 latent cache, the same tokens fed through an fp8 cache: the
+    top-1 agrees wherever the decision is not a near-tie (the bf16 run's top-2 gap >= 2^-4 of the
+    position's largest |logit|: e4m3 rounds each cached value by up to 2^-4 of itself).  Measured
+    2026-12-05: 98.70 % of all 2,000 positions (39 % are near-ties: greedy code loops), every
+    decided one; relative logit error max|d logit| / max|logit| median 0.012, p99 0.086, max 0.20."""
+    from test_kv_cache_fp8 import E4M3_HALF_STEP, _greedy_decode
+
+    with one_thread():
+        target, _, tokenizer = load_default_pair("cpu", torch.float32)
+        texts = default_prompts()
+        prompt = torch.stack([torch.tensor([tokenizer.bos_token_id]
+                                           + tokenizer(texts[r], add_special_tokens=False)["input_ids"][:31])
+                              for r in range(4)])
+        ref, tokens = _greedy_decode(target, prompt, 500, "bfloat16")
+        fp8, _ = _greedy_decode(target, prompt, 500, "fp8", tokens)
+    scale = ref.abs().amax(-1)
+    decided = ref.topk(2, -1).values.diff(dim=-1).neg()[..., 0] >= E4M3_HALF_STEP * scale
+    agree = fp8.argmax(-1) == ref.argmax(-1)
+    error = (fp8 - ref).abs().amax(-1) / scale
+    print(f"fp8 vs bf16 cache, {agree.numel()} positions: top-1 agreement {agree.float().mean().item():.2%} at all, "
+          f"{agree[decided].float().mean().item():.2%} at the {int(decided.sum())} decided; relative logit error "
+          f"median {error.median().item():.4f}, p99 {error.quantile(0.99).item():.4f}, max {error.max().item():.4f}")
+    assert agree.numel() == 2000 and decided.float().mean() >= 0.4
+    assert agree[decided].float().mean() >= 0.99
+    assert agree.float().mean() >= 0.97
+
+
 @requires_cuda_kernel("kdtree::mla_tree_attention")
 @pytest.mark.parametrize("budget,compile_step", [(16, "auto"), ("auto", "auto"), (8, False)])
 def test_cuda_default_pair_greedy_ddtree_equals_autoregressive_bf16(budget, compile_step):

@@ -329,6 +329,7 @@ def test_compiled_step_over_an_fp8_cache_equals_eager():
     assert torch.equal(dd, ar)
 
 
+@torch.no_grad()
 def _greedy_decode(model, prompt, new: int, kv_cache_dtype: str, tokens=None):
     """Prefill ``prompt`` [R, P], then ``new - 1`` absorbed decode steps (the generation path) feeding
     the argmax (``tokens`` None) or ``tokens`` [R, new - 1]; the logits of the ``new`` positions that
