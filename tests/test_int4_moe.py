@@ -515,12 +515,7 @@ def test_cpu_kernel_grouped_matmul_equals_its_segment_loop(fresh_seed):
     a = torch.randn(19, 32, generator=gen)
     want = torch.stack([w[e] @ a[s] for s, e in enumerate(experts.tolist())])
     grouped = moe_ops._grouped_matmul(a, w, experts)
-    saved = moe_ops._GROUPED_MM_CPU[0]
-    moe_ops._GROUPED_MM_CPU[0] = False
-    try:
-        looped = moe_ops._grouped_matmul(a, w, experts)
-    finally:
-        moe_ops._GROUPED_MM_CPU[0] = saved
+    looped = moe_ops._grouped_matmul(a, w, experts, grouped=False)
     torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(looped, want, rtol=1e-5, atol=1e-5)
 

@@ -496,13 +496,14 @@ def _combine(x, terms, shared_gate, shared_up, shared_down, residual) -> torch.T
 _GROUPED_MM_CPU: list[bool] = [getattr(torch, "_grouped_mm", None) is not None]  # [False] once it fails here
 
 
-def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, experts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     """[S, N] = per row s, ``a[s] @ w[experts[s]].T``, for ``experts`` sorted (rows of one expert
-    contiguous): one ``torch._grouped_mm`` over the expert segments, or a loop over the segments
-    where this torch's grouped_mm does not run on the CPU (each segment one matmul either way)."""
+    contiguous): one ``torch._grouped_mm`` over the expert segments, or (``grouped=False``, or where
+    this torch's grouped_mm does not run on the CPU) a loop over the segments; each segment is one
+    matmul either way."""
     E = w.shape[0]
     offs = torch.bincount(experts, minlength=E).cumsum(0).to(torch.int32)
-    if _GROUPED_MM_CPU[0]:
+    if grouped and _GROUPED_MM_CPU[0]:
         try:
             return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
         except (RuntimeError, NotImplementedError):
