@@ -314,6 +314,39 @@ def test_eos_and_max_new_tokens_stop_where_autoregressive_stops():
         assert torch.equal(dd[:, T:], full[:, :n]), n
 
 
+def test_eager_cpu_tree_passes_run_over_the_running_requests_only():
+    """Once a request has finished (its EOS), an eager CPU session's tree passes take the running
+    requests' rows only, through a view of their cache rows; the output is still autoregressive's,
+    and the cache view writes into the shared pages."""
+    from torch_kdtree.models.kimi_k2 import KimiK2Cache
+
+    seed, R = 41, 3
+    model = target(seed)
+    ids, mask = prompts(R, seed)
+    full = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None)[:, ids.shape[1]:]
+    eos = int(full[0, 2])  # request 0 ends at its third token, the others after their eighth or never
+    assert eos not in full[0, :2].tolist() and all(eos not in full[r, :8].tolist() for r in (1, 2))
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=0)
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]) if len(args) > 3 else None)
+    try:
+        dd = model.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
+                            drafter=make_drafter("oracle_80", model, seed, 4), tree_budget=6)
+    finally:
+        hook.remove()
+    assert torch.equal(dd, ar)
+    assert rows[0] == R and min(rows) < R  # tree passes over fewer rows after request 0 finished
+    # the view: its writes land in the parent's pages; its lengths are its own
+    cache = KimiK2Cache(2, 3, 16, 4, page_size=4, dtype=torch.float32)
+    cache.advance(torch.tensor([5, 2, 7]))
+    view = cache.rows(torch.tensor([2, 0]))
+    assert view.lengths.tolist() == [7, 5] and view.batch_size == 2 and view.capacity == cache.capacity
+    view.write(1, view.slots(1), torch.tensor([[[1.0, 2, 3, 4]], [[5.0, 6, 7, 8]]]))
+    torch.testing.assert_close(cache.read(1, 8)[[2, 0], [7, 5]], torch.tensor([[1.0, 2, 3, 4], [5.0, 6, 7, 8]]))
+    view.advance(1)
+    assert cache.lengths.tolist() == [5, 2, 7]
+
+
 # --------------------------------------------------------------------------------------------
 # sampling: sample-and-walk is lossless
 # --------------------------------------------------------------------------------------------

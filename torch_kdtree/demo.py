@@ -3,7 +3,8 @@
 With a trained pair (``models/default_pair/``, written by ``python -m training.run``; or ``--pair
 DIR``) the target continues held-out Python code prompts (``prompts.json`` beside the pair): the
 decoded completions, the mean acceptance length, DDTree and autoregressive tokens/s (wall clock
-and inside the decoding steps) and whether the two outputs are identical.
+and inside the decoding steps; medians of three alternated runs of each) and whether the two
+outputs are identical.
 
 Without one (``--pair random``, or when no trained pair is installed) the pair is built
 deterministically on the fly (models/generation/tiny.py): a tiny random Kimi K2 target (K2's MLA
@@ -17,6 +18,7 @@ Runs on CUDA (bf16, CUDA graphs) when a GPU and the kernels are present, else on
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -31,15 +33,27 @@ def _device() -> str:
     return "cuda" if info["cuda_kernels"] and mla else "cpu"
 
 
-def _timed(fn):
-    fn()  # the first call builds the session (and captures the graphs on CUDA)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+REPEATS = 3  # timed runs of each decoding, alternated; the medians are printed
+
+
+def _timed_alternately(*fns, repeats: int = REPEATS):
+    """Each of ``fns`` once untimed (the first call builds its session, and captures the graphs on
+    CUDA), then all of them in turn ``repeats`` times, so that a busy machine's drifts fall on every
+    decoding alike.  Per fn: (its last output, median wall seconds, median seconds inside the steps)."""
+    for fn in fns:
+        fn()
+    runs = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, runs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0, out.step_seconds, out))
+    return [(times[-1][2], statistics.median(t for t, _, _ in times), statistics.median(s for _, s, _ in times))
+            for times in runs]
 
 
 def _in_range(kind, lo, hi):
@@ -178,9 +192,9 @@ def main(argv=None) -> None:
     ids, mask = ids.to(device), mask.to(device)
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)
 
-    ar, ar_s = _timed(lambda: target.generate(ids, return_dict_in_generate=True, **common))
-    dd, dd_s = _timed(lambda: target.generate(ids, drafter=drafter, tree_budget=budget,
-                                              return_dict_in_generate=True, **common))
+    (ar, ar_s, ar_steps), (dd, dd_s, dd_steps) = _timed_alternately(
+        lambda: target.generate(ids, return_dict_in_generate=True, **common),
+        lambda: target.generate(ids, drafter=drafter, tree_budget=budget, return_dict_in_generate=True, **common))
     tokens = len(prompts) * new_tokens
     T = ids.shape[1]
     for r in range(len(prompts)):
@@ -195,10 +209,11 @@ def main(argv=None) -> None:
     print(f"mean acceptance length: {dd.mean_accept_length:.2f} tokens per step "
           f"({dd.accept_lengths.shape[1]} DDTree steps for {new_tokens} tokens per request)")
     print(f"tokens/s, wall clock: DDTree {tokens / dd_s:.1f}, autoregressive {tokens / ar_s:.1f} "
-          f"(batch {len(prompts)}, {new_tokens} new tokens each): DDTree / AR {ar_s / dd_s:.2f}x")
+          f"(batch {len(prompts)}, {new_tokens} new tokens each; medians of {REPEATS} alternated runs): "
+          f"DDTree / AR {ar_s / dd_s:.2f}x")
     print(f"tokens/s inside the decoding steps (no prefill, no oracle look-ahead): "
-          f"DDTree {tokens / dd.step_seconds:.1f}, autoregressive {tokens / ar.step_seconds:.1f}: "
-          f"DDTree / AR {ar.step_seconds / dd.step_seconds:.2f}x")
+          f"DDTree {tokens / dd_steps:.1f}, autoregressive {tokens / ar_steps:.1f}: "
+          f"DDTree / AR {ar_steps / dd_steps:.2f}x")
     same = torch.equal(dd.sequences, ar.sequences)
     print(f"DDTree output == autoregressive output: {same}")
     if not same:

@@ -21,7 +21,9 @@ useless drafter runs mostly those) do not read the drafter's context weights eac
 Every shape is fixed by (R, block size, B) and nothing reads the device on the host, so on CUDA
 each budget's step is captured once in a ``torch.cuda.CUDAGraph`` (warmed up on a side stream,
 all graphs in one memory pool) and replayed.  Finished requests keep running, masked: they
-commit nothing, emit nothing and write only at positions the next tree overwrites anyway.
+commit nothing, emit nothing and write only at positions the next tree overwrites anyway.  An
+eager CPU session, whose passes cost compute in proportion to their rows, leaves them out of the
+tree passes instead (``_verify``: a cache view of the running requests' rows).
 
 On CUDA the host looks at the device every ``sync_every`` steps (default 8: one ~10-50 us
 stall per 8 steps), or sooner when fewer steps can still be needed (each step emits at least
@@ -269,6 +271,9 @@ class GenerationSession:
         self.use_graphs = cuda_graphs and dev.type == "cuda"
         self._gen_max_new, self._gen_eos = 0, []
         self._fns = {b: self._step_fn(b) for b in self.budgets}
+        # tree passes over the running requests only (_verify): eager CPU sessions of one process
+        self._compact = dev.type == "cpu" and not compile_step and self.tp is None
+        self._row_plans: dict = {}
         # the AR step's taps, kept for the drafter until a tree step needs its context (_flush)
         self.defer = DEFER_ROWS if drafter is not None and self.taps and 0 in self.budgets and any(self.budgets) \
             else 0
@@ -317,7 +322,7 @@ class GenerationSession:
         return lp.values.contiguous(), lp.indices.contiguous()
 
     def _ddtree_step(self, budget: int) -> None:
-        target, drafter, cache = self.target, self.drafter, self.cache
+        drafter, cache = self.drafter, self.cache
         active = ~self.done
         self._phase("draft")
         draft_logits = drafter(self.root)
@@ -327,14 +332,14 @@ class GenerationSession:
         tree = ddtree_build(lp, ids, self.root, budget)
         self._phase("verify")
         positions = cache.lengths.long()[:, None] + tree.depths.clamp(min=0).long()
-        out = target(tree.tokens, positions, cache, tree.visible, tap_layers=self.taps, plan=self.plan[budget])
-        post = select_tokens(out.logits, self.mode, self.params, self.tp)
+        logits, taps = self._verify(tree, positions, budget, active)
+        post = select_tokens(logits, self.mode, self.params, self.tp)
         self._phase("accept")
         acc = tree_accept(tree.tokens, tree.parents, post)
         self._phase("commit")
         count = torch.where(active, acc.lengths, 0)
         cache.commit(acc.indices, count)
-        drafter.append_context(out.taps, count, indices=acc.indices[:, : self.block_size])
+        drafter.append_context(taps, count, indices=acc.indices[:, : self.block_size])
         cache.advance(count)
         # emitted this step: the accepted drafts (path nodes 1..a-1), then the next root
         path = tree.tokens.gather(1, acc.indices.clamp(min=0).long())[:, 1 : self.L + 2]
@@ -345,6 +350,34 @@ class GenerationSession:
         self.root.copy_(torch.where(active, acc.next_tokens, self.root))
         self._record(count, active, acc.indices, budget)
         self._phase(None)
+
+    def _verify(self, tree, positions, budget: int, active):
+        """The target's pass over the tree: (logits [R, N, V], taps [R, N, taps * H]).  In an eager
+        CPU session (no graphs, no compile, one process), where compute grows with the rows and the
+        host knows ``done`` after every step, the pass runs over the running requests only once
+        some have finished (a cache view of their rows, :meth:`KimiK2Cache.rows`); the finished
+        rows' logits and taps are zeros, which they neither commit nor emit."""
+        target = self.target
+        if self._compact:
+            rows = active.nonzero().squeeze(1)
+            n = rows.numel()
+            if 0 < n < self.R:
+                sub = self.cache.rows(rows)
+                plan = self._row_plans.get((budget, n))
+                if plan is None:
+                    plan = self._row_plans[budget, n] = target.model.plan_pass(n, budget + 1, tree=True, cache=sub,
+                                                                               dtype=target.dtype)
+                part = target(tree.tokens[rows], positions[rows], sub, tree.visible[rows], tap_layers=self.taps,
+                              plan=plan)
+                logits = part.logits.new_zeros(self.R, *part.logits.shape[1:])
+                logits[rows] = part.logits
+                taps = None
+                if part.taps is not None:
+                    taps = part.taps.new_zeros(self.R, *part.taps.shape[1:])
+                    taps[rows] = part.taps
+                return logits, taps
+        out = target(tree.tokens, positions, self.cache, tree.visible, tap_layers=self.taps, plan=self.plan[budget])
+        return out.logits, out.taps
 
     def _ar_step(self) -> None:
         target, cache = self.target, self.cache

@@ -308,6 +308,19 @@ class KimiK2Cache(nn.Module):
         else:
             kv_commit(self.kv, self.block_table, self.lengths, indices, lengths)
 
+    def rows(self, requests: torch.Tensor) -> "KimiK2Cache":
+        """A cache of the requests ``requests`` (int indices [R']) that shares this one's rows and
+        scales: its block table and lengths are copies of theirs, so writes land in the same pages
+        and its committed lengths move independently (a pass over some of the requests: the eager
+        CPU session's tree passes once requests have finished)."""
+        view = KimiK2Cache.__new__(KimiK2Cache)
+        nn.Module.__init__(view)
+        view.page_size, view.dtype = self.page_size, self.dtype
+        for name, t in (("kv", self.kv), ("kv_scale", self.kv_scale), ("block_table", self.block_table[requests]),
+                        ("lengths", self.lengths[requests])):
+            view.register_buffer(name, t, persistent=False)
+        return view
+
     def advance(self, num_tokens) -> None:
         """Commit ``num_tokens`` (an int or an int tensor [R]) more tokens of each request."""
         if isinstance(num_tokens, torch.Tensor):
