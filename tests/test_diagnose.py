@@ -266,6 +266,41 @@ def test_diagnose_json_has_the_documented_keys_and_sane_values(runs, name):
     assert r["fits"]["ar"]["n"] == 2 and r["fits"]["tree_sustained"]["n"] == len(windows)
 
 
+def test_sizes_left_out_fit_the_targets_positions():
+    """--sustained-tokens and --max-context, left out, default to 4096 and 8192 where they fit and
+    otherwise to what does (half the positions for the sustained run, the rest less a tree's slack);
+    given sizes that do not fit are refused, naming the positions."""
+    from torch_kdtree.diagnose.cli import _fit_to_positions, build_parser
+    from torch_kdtree.diagnose.pair import InputError
+
+    def fitted(limit, *argv):
+        args = build_parser().parse_args(list(argv))
+        _fit_to_positions(args, limit, 8)
+        return args.sustained_tokens, args.max_context
+
+    assert fitted(None) == (4096, 8192) and fitted(163840) == (4096, 8192)
+    assert fitted(2048) == (1024, 2048 - 1024 - 16)  # the shipped pair
+    assert fitted(2048, "--sustained-tokens", "512") == (512, 2048 - 512 - 16)
+    assert fitted(2048, "--max-context", "256") == (1024, 256)
+    for argv in (["--max-context", "1500"], ["--sustained-tokens", "2000"]):
+        with pytest.raises(InputError, match="exceed the target's 2048 positions"):
+            fitted(2048, *argv)
+
+
+def test_diagnose_runs_on_the_shipped_pair_with_its_held_out_prompts(tmp_path):
+    """Without --tiny-pair the tool runs the shipped pair (models/default_pair), its prompt made of
+    the pair's held-out code prompts; sizes left out fit the pair's 2,048 positions."""
+    small = [a for a in SMALL if a != "--tiny-pair"]
+    small = small[:small.index("--block-size")] + small[small.index("--block-size") + 2:]  # the drafter's own
+    assert main([*small, "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "diagnose.json").read_text())
+    meta = r["meta"]
+    assert meta["pair"].startswith("the shipped pair") and meta["block_size"] == 8
+    assert meta["prompt"].startswith("the pair's 8 held-out code prompts")
+    assert 1 <= r["sustained"]["accept"] <= 8 and r["sustained"]["tokens"] == 95
+    assert r["sustained"]["accept"] > 1.5  # the trained drafter is right most of the time at the start
+
+
 def test_diagnose_oracle_drift_shows_in_acceptance_over_the_response(runs):
     s = runs["oracle"][1]["sustained"]
     accuracy = [w["oracle_accuracy"] for w in s["windows"]]

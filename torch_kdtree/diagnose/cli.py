@@ -16,6 +16,8 @@ from .pair import InputError
 from .progress import Progress
 
 COMPILE_CHOICES = ("auto", "off", "combo", "tuned", "inductor")
+MAX_CONTEXT = 8192       # --max-context when it fits the target's positions
+SUSTAINED_TOKENS = 4096  # --sustained-tokens likewise
 
 
 def _number(kind, low, high=None):
@@ -62,12 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto: bf16 on CUDA, fp32 on the CPU")
     pair.add_argument("--seed", type=_number(int, 0), default=0, help="random prompt and oracle seed (default 0)")
     pair.add_argument("--prompt", metavar="FILE",
-                      help="prompt: a .json list of token ids, or text for the target's tokenizer (default: random "
-                           "token ids); repeated to the longest context")
+                      help="prompt: a .json list of token ids, or text for the target's tokenizer (default: the "
+                           "shipped pair's held-out code prompts, else random token ids); repeated to the longest "
+                           "context")
 
     burst = p.add_argument_group("throughput against context")
     burst.add_argument("--min-context", type=_number(int, 1), default=64, help="shortest context (default 64)")
-    burst.add_argument("--max-context", type=_number(int, 1), default=8192, help="longest context (default 8192)")
+    burst.add_argument("--max-context", type=_number(int, 1),
+                       help=f"longest context (default {MAX_CONTEXT}, or what fits the target's positions beside the "
+                            f"sustained run)")
     burst.add_argument("--points", type=_number(int, 1), default=8, help="log-spaced contexts (default 8)")
     burst.add_argument("--burst-short", type=_number(int, 1), default=8, help="the burst's short run (default 8)")
     burst.add_argument("--burst-long", type=_number(int, 2), default=264, help="the burst's long run (default 264)")
@@ -80,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="burst and sustained disagree when they differ by more than this share (default 0.1)")
 
     sus = p.add_argument_group("sustained generation")
-    sus.add_argument("--sustained-tokens", type=_number(int, 2), default=4096, help="new tokens (default 4096)")
+    sus.add_argument("--sustained-tokens", type=_number(int, 2),
+                     help=f"new tokens (default {SUSTAINED_TOKENS}, or half the target's positions if fewer)")
     sus.add_argument("--prompt-length", type=_number(int, 1), help="its prompt (default --min-context)")
     sus.add_argument("--window-steps", type=_number(int, 1), default=32, help="steps per window (default 32)")
     sus.add_argument("--position-bins", type=_number(int, 1), default=8,
@@ -101,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.max_context < args.min_context:
+    if args.max_context is not None and args.max_context < args.min_context:
         parser.error(f"--max-context {args.max_context} is below --min-context {args.min_context}")
     if args.burst_long <= args.burst_short:
         parser.error(f"--burst-long {args.burst_long} must exceed --burst-short {args.burst_short}")
@@ -171,16 +177,11 @@ def _run(args: argparse.Namespace, *, progress: bool) -> dict:
         pair = with_oracle(pair, args.oracle, block_size=args.block_size, seed=args.seed)
     target, drafter = pair.target, pair.drafter
     check_pair(target, drafter)
+    _fit_to_positions(args, getattr(target.config, "max_position_embeddings", None), drafter.block_size)
     prompt_length = args.prompt_length or args.min_context
     contexts = sorted(set(log_spaced(args.min_context, args.max_context, args.points)) | {prompt_length})
-    longest = max(contexts)
-    limit = getattr(target.config, "max_position_embeddings", None)
-    need = longest + max(args.sustained_tokens, args.burst_long) + 2 * drafter.block_size
-    if limit and need > limit:
-        raise InputError(f"contexts up to {longest} plus {max(args.sustained_tokens, args.burst_long)} new tokens "
-                         f"exceed the target's {limit} positions")
-    prompt, prompt_source = prompt_ids(args.prompt, pair.tokenizer, target.config.vocab_size, longest,
-                                       special_ids(target, drafter), args.seed)
+    prompt, prompt_source = prompt_ids(args.prompt, pair.tokenizer, target.config.vocab_size, max(contexts),
+                                       special_ids(target, drafter), args.seed, pair.texts)
     settings = Settings(contexts=contexts, prompt_length=prompt_length, burst_short=args.burst_short,
                         burst_long=args.burst_long, repeats=args.repeats, sustained_tokens=args.sustained_tokens,
                         window_steps=args.window_steps, timing_steps=args.timing_steps,
@@ -246,6 +247,24 @@ def _run(args: argparse.Namespace, *, progress: bool) -> dict:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1) if args.json else summary(result) + "\n\nwrote " + ", ".join(files))
     return result
+
+
+def _fit_to_positions(args: argparse.Namespace, limit: int | None, block_size: int) -> None:
+    """Fill in --sustained-tokens and --max-context where they were not given: SUSTAINED_TOKENS and
+    MAX_CONTEXT, or what fits the target's ``limit`` positions (half of them for the sustained run,
+    the rest less a tree's slack for the longest context: the shipped pair's 2,048 give 1,024 and
+    1,008).  Raise InputError when the given (or fitted) sizes still exceed ``limit``."""
+    slack = 2 * block_size
+    if args.sustained_tokens is None:
+        args.sustained_tokens = SUSTAINED_TOKENS if not limit else max(2, min(SUSTAINED_TOKENS, limit // 2))
+    if args.max_context is None:
+        room = limit - max(args.sustained_tokens, args.burst_long) - slack if limit else MAX_CONTEXT
+        args.max_context = max(args.min_context, min(MAX_CONTEXT, room))
+    longest = max(args.max_context, args.prompt_length or args.min_context)
+    new = max(args.sustained_tokens, args.burst_long)
+    if limit and longest + new + slack > limit:
+        raise InputError(f"contexts up to {longest} plus {new} new tokens exceed the target's {limit} positions "
+                         f"(left out, --max-context and --sustained-tokens default to sizes that fit)")
 
 
 def _device_name(device: torch.device) -> str:

@@ -22,6 +22,7 @@ class Pair:
     tokenizer: object | None
     name: str           # for the report: where the pair came from
     notes: list[str]
+    texts: tuple[str, ...] = ()  # the pair's own held-out prompts (the shipped pair's prompts.json)
 
 
 def default_pair(device: torch.device, dtype: torch.dtype, *, block_size: int = 8) -> Pair:
@@ -44,7 +45,10 @@ def default_pair(device: torch.device, dtype: torch.dtype, *, block_size: int = 
         else:
             target, drafter = loaded[0], loaded[1]
             tokenizer = loaded[2] if len(loaded) > 2 else None
-            return Pair(target, drafter, tokenizer, "the shipped pair (torch_kdtree.models.load_default_pair)", [])
+            from torch_kdtree.models.pair import default_prompts
+
+            return Pair(target, drafter, tokenizer, "the shipped pair (torch_kdtree.models.load_default_pair)", [],
+                        tuple(default_prompts()) if tokenizer is not None else ())
     note = (f"no shipped pair ({why}): running the tiny random pair (models/generation/tiny.py); its random "
             "drafter accepts ~1 token per step, add --oracle for a meaningful acceptance")
     print(f"note: {note}", file=sys.stderr)
@@ -101,10 +105,21 @@ def with_oracle(pair: Pair, accuracy: float, *, block_size: int, seed: int) -> P
                 pair.notes)
 
 
-def prompt_ids(path: str | None, tokenizer, vocab_size: int, length: int, special: set[int], seed: int) -> tuple:
+def prompt_ids(path: str | None, tokenizer, vocab_size: int, length: int, special: set[int], seed: int,
+               texts: tuple[str, ...] = ()) -> tuple:
     """``length`` prompt token ids (int64) and a description.  ``path``: a ``.json`` list of
-    token ids, or text tokenized with the target's tokenizer; repeated to ``length``.  None:
-    random ids from ``seed`` avoiding the special tokens."""
+    token ids, or text tokenized with the target's tokenizer; repeated to ``length``.  None: the
+    pair's held-out ``texts`` one after another, each as ``<bos> text`` as the pair was trained
+    (repeated to ``length``), or without texts random ids from ``seed`` avoiding the special tokens."""
+    if path is None and texts:
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        ids = torch.tensor([i for t in texts for i in bos + tokenizer(t, add_special_tokens=False)["input_ids"]],
+                           dtype=torch.int64)
+        source = f"the pair's {len(texts)} held-out code prompts (prompts.json)"
+        if ids.numel() < length:
+            source += f" ({ids.numel()} tokens, repeated to {length}: a repeated text is easier to draft)"
+            ids = ids.repeat(-(-length // ids.numel()))
+        return ids[:length].clone(), source
     if path is None:
         g = torch.Generator().manual_seed(seed)
         allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.int64)
