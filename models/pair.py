@@ -54,6 +54,13 @@ def default_prompts(path: str | Path | None = None) -> list[str]:
     return [p["text"] for p in json.loads(file.read_text(encoding="utf-8"))["prompts"]]
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids as the pair saw its files in training: ``<bos>`` (where the tokenizer
+    has one), then the text, no other special tokens."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def has_default_pair(path: str | Path | None = None) -> bool:
     root = Path(path) if path is not None else DEFAULT_PAIR_DIR
     return not _missing(root)

@@ -6,15 +6,14 @@ import pytest
 import torch
 from conftest import one_thread, requires_cuda_kernel
 
-from torch_kdtree.models.pair import DEFAULT_PAIR_DIR, default_prompts, has_default_pair, load_default_pair
+from torch_kdtree.models.pair import DEFAULT_PAIR_DIR, default_prompts, has_default_pair, load_default_pair, prompt_ids
 
 
 def _batch(tokenizer, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """n held-out prompts (cycled), each ``<bos> text`` as in training, left-padded: (ids, mask)."""
     texts = default_prompts()
     assert texts, f"{DEFAULT_PAIR_DIR}: no prompts.json"
-    rows = [[tokenizer.bos_token_id] + tokenizer(texts[r % len(texts)], add_special_tokens=False)["input_ids"]
-            for r in range(n)]
+    rows = [prompt_ids(tokenizer, texts[r % len(texts)]) for r in range(n)]
     rows = [row[:24 + 9 * r] for r, row in enumerate(rows)]  # different lengths: left padding in play
     width = max(map(len, rows))
     ids = torch.full((n, width), tokenizer.pad_token_id or 0, dtype=torch.long)
@@ -67,9 +66,7 @@ def test_default_pair_fp8_cache_keeps_the_bf16_caches_top1_over_2000_greedy_toke
     with one_thread():
         target, _, tokenizer = load_default_pair("cpu", torch.float32)
         texts = default_prompts()
-        prompt = torch.stack([torch.tensor([tokenizer.bos_token_id]
-                                           + tokenizer(texts[r], add_special_tokens=False)["input_ids"][:31])
-                              for r in range(4)])
+        prompt = torch.stack([torch.tensor(prompt_ids(tokenizer, texts[r])[:32]) for r in range(4)])
         ref, tokens = _greedy_decode(target, prompt, 500, "bfloat16")
         fp8, _ = _greedy_decode(target, prompt, 500, "fp8", tokens)
     scale = ref.abs().amax(-1)

@@ -99,17 +99,13 @@ def _random_pair(args, device, dtype):
 
 
 def _trained_pair(args, path, device, dtype):
-    from torch_kdtree.models.pair import default_prompts, load_default_pair
+    from torch_kdtree.models.pair import default_prompts, load_default_pair, prompt_ids
 
     target, drafter, tokenizer = load_default_pair(device, dtype, path=path)
     texts = default_prompts(path)
     if not texts:
         raise SystemExit(f"{path}: no prompts.json beside the pair (python -m training.run writes it)")
-    prompts = [torch.tensor(tokenizer(texts[r % len(texts)], add_special_tokens=False)["input_ids"])
-               for r in range(args.batch)]
-    bos = tokenizer.bos_token_id
-    if bos is not None:  # training saw every file as <bos> text <eos>
-        prompts = [torch.cat([torch.tensor([bos]), p]) for p in prompts]
+    prompts = [torch.tensor(prompt_ids(tokenizer, texts[r % len(texts)])) for r in range(args.batch)]
     return target, drafter, tokenizer, prompts, "trained"
 
 

@@ -112,9 +112,9 @@ def prompt_ids(path: str | None, tokenizer, vocab_size: int, length: int, specia
     pair's held-out ``texts`` one after another, each as ``<bos> text`` as the pair was trained
     (repeated to ``length``), or without texts random ids from ``seed`` avoiding the special tokens."""
     if path is None and texts:
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids = torch.tensor([i for t in texts for i in bos + tokenizer(t, add_special_tokens=False)["input_ids"]],
-                           dtype=torch.int64)
+        from torch_kdtree.models.pair import prompt_ids as pair_prompt_ids
+
+        ids = torch.tensor([i for t in texts for i in pair_prompt_ids(tokenizer, t)], dtype=torch.int64)
         source = f"the pair's {len(texts)} held-out code prompts (prompts.json)"
         if ids.numel() < length:
             source += f" ({ids.numel()} tokens, repeated to {length}: a repeated text is easier to draft)"
