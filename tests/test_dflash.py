@@ -677,3 +677,93 @@ def test_compiled_step_runs_as_cuda_graphs_without_skips(fresh_seed):
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     recorded = [node for nodes in manager.roots.values() for node in nodes]
     assert recorded and all(isinstance(node, cudagraph_trees.CUDAGraphNode) for node in recorded)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over the live context slots only (live_slots_attention)
+# --------------------------------------------------------------------------------------------
+
+def _masked_sdpa(q, cache_k, cache_v, used, scale):
+    """The oracle: every slot, the dead ones masked (the drafter's SDPA form, per request)."""
+    r, t, heads, d = q.shape
+    g = heads // cache_k.shape[2]
+    keys = cache_k.repeat_interleave(g, dim=2).transpose(1, 2)     # [R, H, S, D]
+    values = cache_v.repeat_interleave(g, dim=2).transpose(1, 2)
+    mask = (torch.arange(cache_k.shape[1]) < used.unsqueeze(1))[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                           scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 8])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_live_slots_attention_equals_masked_attention_over_every_slot(parts, kv_heads, fresh_seed):
+    """The partitioned form (segments by the torch reference, merged by log-sum-exp) equals one
+    masked softmax over all slots: lengths inside the first partition, across partitions, the
+    whole cache; partitions past the context contribute nothing."""
+    from torch_kdtree.models.dflash.modeling import live_slots_attention, segments_reference
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    r, t, heads, d, slots = 4, 8, 4, 16, 200
+    q = torch.randn(r, t, heads, d, generator=gen)
+    cache_k = torch.randn(r, slots, kv_heads, d, generator=gen)
+    cache_v = torch.randn(r, slots, kv_heads, d, generator=gen)
+    used = torch.tensor([1, 37, 151, slots])
+    got = live_slots_attention(q, cache_k, cache_v, used, 0.25, partitions=parts, segments=segments_reference)
+    want = _masked_sdpa(q, cache_k, cache_v, used, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # what lies past the live slots never matters
+    poisoned_k, poisoned_v = cache_k.clone(), cache_v.clone()
+    for i, n in enumerate(used.tolist()):
+        poisoned_k[i, n:], poisoned_v[i, n:] = 1e4, float("nan")
+    again = live_slots_attention(q, poisoned_k, poisoned_v, used, 0.25, partitions=parts,
+                                 segments=segments_reference)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_live_partitions_fill_the_gpu_and_keep_partitions_long():
+    from torch_kdtree.models.dflash.modeling import live_partitions
+
+    assert live_partitions(1, 8, 283_792) == 32     # one request, a TP-8 rank's heads: 256 CTAs
+    assert live_partitions(64, 8, 283_792) == 1     # 512 CTAs already
+    assert live_partitions(1, 8, 2_064) == 4        # partitions of at least 512 slots
+    assert live_partitions(1, 8, 100) == 1
+
+
+def test_drafter_with_live_slot_attention_equals_the_masked_form(fresh_seed):
+    """The drafter's two attention forms (live_attention True / False) draft the same logits,
+    batched requests of different context lengths, a capacity of several partitions."""
+    model = random_drafter(seed=fresh_seed, dtype=torch.float32)
+    embed, head = make_target(fresh_seed)
+    model.bind_target(embed, head)
+    f = model.config.num_taps * H
+    gen = torch.Generator().manual_seed(fresh_seed)
+    taps = torch.randn(3, 700, f, generator=gen)
+    lengths, roots = torch.tensor([700, 5, 0]), torch.tensor([1, 2, 3])
+    out = {}
+    with torch.no_grad():
+        for live in (False, True):
+            model.live_attention = live
+            out[live] = draft_one_shot(model, taps, lengths, roots, capacity=2048)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("slots,used", [(2064, [1, 9, 2064]), (70_000, [8, 4_000, 69_999])])
+def test_cuda_live_slots_attention_equals_masked_sdpa(slots, used, fresh_seed):
+    """flash attention's variable-length segments (CUDA, bf16) against the masked SDPA in fp32."""
+    from torch_kdtree.models.dflash.modeling import live_attention_supported, live_slots_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    r, t, heads, d = 3, 8, 8, 128
+    q = torch.randn(r, t, heads, d, device="cuda", generator=gen).bfloat16()
+    if not live_attention_supported(q):
+        pytest.fail(f"flash attention with seqused_k is not available here (torch {torch.__version__}, "
+                    f"{torch.cuda.get_device_name()}): the drafter would read its whole cache every step")
+    cache_k = torch.randn(r, slots, 1, d, device="cuda", generator=gen).bfloat16()
+    cache_v = torch.randn(r, slots, 1, d, device="cuda", generator=gen).bfloat16()
+    used_t = torch.tensor(used, device="cuda")
+    got = live_slots_attention(q, cache_k, cache_v, used_t, d ** -0.5)
+    want = _masked_sdpa(q.float().cpu(), cache_k.float().cpu(), cache_v.float().cpu(), used_t.cpu(), d ** -0.5)
+    err = (got.float().cpu() - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"

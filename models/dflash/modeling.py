@@ -19,7 +19,9 @@ inside one CUDA graph.
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,144 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
 
 
+# ---- attention over the live slots only ----
+# The context cache has a fixed capacity (every shape static, so a step can be captured), but
+# a step must not read what it does not hold: the masked SDPA below reads all S slots of every
+# layer whatever the context (run 176, H200: a k2_slice DDTree step with a 262k-token cache
+# took 6.8 ms at a 1k context against 1.2 ms with a 2k-token cache).  On CUDA the block's
+# queries instead attend through flash attention's variable-length form, whose ``seqused_k``
+# (read on the device) stops each key segment at the request's live length: the capacity is
+# cut into P static partitions per request (segments of the packed [R * S] key rows), empty
+# partitions cost a CTA that exits at once, and the partitions' outputs are merged by their
+# log-sum-exp in float32 (flash decoding).  P grows with the capacity and shrinks with the
+# requests x heads that already fill the GPU.
+_PART_MIN_SLOTS = 512
+_PART_TARGET_CTAS = 256
+
+
+def _flash_seqused_available() -> bool:
+    """True when this torch's flash attention takes ``seqused_k`` (the variable-length form)."""
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(a.name == "seqused_k" for a in schema.arguments)
+
+
+def live_attention_supported(q: torch.Tensor) -> bool:
+    """Whether :func:`live_slots_attention` runs flash attention for queries like ``q``: CUDA,
+    fp16/bf16, a head size flash takes, sm_80 or newer, a torch with ``seqused_k``, and a
+    once-per-process check on this device that the flash form equals the masked one."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 0) or not _flash_seqused_available():
+        return False
+    return _flash_form_checked(q.device.index if q.device.index is not None else torch.cuda.current_device(),
+                               q.dtype, q.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_form_checked(device: int, dtype: torch.dtype, head_dim: int) -> bool:
+    """Run the flash form once on small random inputs (three partitions, GQA, lengths inside
+    the first, across partitions and the whole cache) against the masked softmax in float32; on
+    an error or a mismatch, warn and let the drafter keep the masked form."""
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(0)
+    q = torch.randn(3, 4, 4, head_dim, device=f"cuda:{device}", generator=g).to(dtype)
+    k = torch.randn(3, 1536, 2, head_dim, device=f"cuda:{device}", generator=g).to(dtype)
+    v = torch.randn(3, 1536, 2, head_dim, device=f"cuda:{device}", generator=g).to(dtype)
+    used = torch.tensor([5, 700, 1536], device=f"cuda:{device}")
+    scale = head_dim ** -0.5
+    try:
+        got = live_slots_attention(q, k, v, used, scale, partitions=3).float()
+        mask = (torch.arange(1536, device=q.device) < used.unsqueeze(1))[:, None, None, :]
+        want = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().repeat_interleave(2, 2).transpose(1, 2),
+                                              v.float().repeat_interleave(2, 2).transpose(1, 2), attn_mask=mask,
+                                              scale=scale).transpose(1, 2)
+        err = ((got - want).norm() / want.norm()).item()
+    except Exception as e:  # noqa: BLE001 -- any failure of the optional form means: keep the masked one
+        warnings.warn(f"DFlash: flash attention over the live slots failed its check ({type(e).__name__}: {e}); "
+                      "drafting with the masked attention over every cache slot", stacklevel=2)
+        return False
+    if not err < 2e-2:
+        warnings.warn(f"DFlash: flash attention over the live slots differs from the masked form (relative "
+                      f"error {err:.3g}); drafting with the masked attention over every cache slot", stacklevel=2)
+        return False
+    return True
+
+
+def live_partitions(requests: int, heads: int, slots: int) -> int:
+    """Static partitions per request: enough CTAs (requests x heads x P) to fill the GPU, each
+    partition at least _PART_MIN_SLOTS slots."""
+    want = -(-_PART_TARGET_CTAS // max(1, requests * heads))
+    return max(1, min(want, slots // _PART_MIN_SLOTS))
+
+
+def _flash_segments(q, k, v, cu_q, cu_k, max_q, max_k, used, scale):
+    """flash attention's variable-length form: (out [Tq, H, D], lse [H, Tq] float32)."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                       scale=scale, seqused_k=used)[:2]
+    if lse.dim() == 3:  # older flash builds: padded [batch, H, max_q]
+        lse = lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
+    return out, lse
+
+
+def segments_reference(q, k, v, cu_q, cu_k, max_q, max_k, used, scale):
+    """A torch form of :func:`_flash_segments` (for tests and any device): segment i's queries
+    ``cu_q[i]:cu_q[i+1]`` attend keys ``cu_k[i]:cu_k[i] + used[i]`` (non-causal, GQA: query
+    head h reads key head h // (H / Hkv)); an empty segment gives 0 and lse = +inf, as flash."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((heads, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    for i in range(cu_q.numel() - 1):
+        a, b, c, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used[i])
+        if n == 0 or a == b:
+            continue
+        kk = k[c:c + n].float().repeat_interleave(heads // kv_heads, dim=1)
+        vv = v[c:c + n].float().repeat_interleave(heads // kv_heads, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk) * scale
+        lse[:, a:b] = torch.logsumexp(s, dim=-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv).to(q.dtype)
+    return out, lse
+
+
+def live_slots_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, used: torch.Tensor,
+                         scale: float, *, partitions: int | None = None, segments=None) -> torch.Tensor:
+    """Attention of q [R, t, H, D] over slots [0, used[r]) of cache_k / cache_v [R, S, Hkv, D]
+    (non-causal; used int [R], 1 <= used <= S, read on the device only) -> [R, t, H, D].
+
+    The S slots of a request form P static partitions; each (request, partition) is one
+    variable-length segment whose used length is clamped to the live slots it holds, so a
+    partition past the context reads nothing.  ``segments`` computes the segments (default:
+    flash attention on CUDA, :func:`segments_reference` elsewhere, which reads the lengths on
+    the host); the partitions merge by their log-sum-exp in float32."""
+    r, t, heads, d = q.shape
+    slots, kv_heads = cache_k.shape[1], cache_k.shape[2]
+    parts = partitions or live_partitions(r, heads, slots)
+    chunk = -(-slots // parts)
+    chunk = -(-chunk // 16) * 16
+    parts = -(-slots // chunk)
+    dev = q.device
+    starts = torch.arange(parts, device=dev) * chunk
+    length = (slots - starts).clamp(max=chunk)                                              # [P]
+    base = torch.arange(r, device=dev).unsqueeze(1) * slots
+    cu_k = torch.cat(((base + starts).flatten(), torch.tensor([r * slots], device=dev))).to(torch.int32)
+    seg_used = (used.to(torch.int64).unsqueeze(1) - starts).clamp(min=0).minimum(length)  # [R, P]
+    cu_q = (torch.arange(r * parts + 1, device=dev) * t).to(torch.int32)
+    qq = q.unsqueeze(1).expand(r, parts, t, heads, d).reshape(r * parts * t, heads, d)
+    fn = segments or (_flash_segments if q.is_cuda else segments_reference)
+    out, lse = fn(qq, cache_k.reshape(r * slots, kv_heads, d), cache_v.reshape(r * slots, kv_heads, d),
+                  cu_q, cu_k, t, chunk, seg_used.flatten().to(torch.int32), scale)
+    if parts == 1:
+        return out.view(r, t, heads, d)
+    live = (seg_used > 0).view(r, parts, 1, 1)
+    lse = lse.view(heads, r, parts, t).permute(1, 2, 3, 0)                                  # [R, P, t, H]
+    lse = torch.where(live, lse, float("-inf"))
+    w = torch.exp(lse - lse.amax(1, keepdim=True))                                          # partition 0 is live
+    o = torch.where(live.unsqueeze(-1), out.view(r, parts, t, heads, d).float(), 0.0)
+    merged = (w.unsqueeze(-1) * o).sum(1) / w.sum(1).unsqueeze(-1)
+    return merged.to(q.dtype)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig, **factory):
         super().__init__()
@@ -79,7 +219,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
         return _apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask):
+    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask, used=None):
         """Block queries attend to every visible slot of layer ``layer``'s cache after the block's
         own K/V are written at ``slots``.  cache_k/v: every layer's [L, R, S, Hkv, D] (written with
         one index_put_ on the whole tensor: under torch.compile a write through the layer's view
@@ -92,6 +232,9 @@ class DFlashAttention(nn.Module):
         cache_k.index_put_(at, k)
         cache_v.index_put_(at, v)
         cache_k, cache_v = cache_k[layer], cache_v[layer]
+        if used is not None:  # the live slots only (flash, CUDA): see live_slots_attention
+            out = live_slots_attention(q, cache_k, cache_v, used, self.head_dim ** -0.5)
+            return self.o_proj(out.reshape(r, t, self.num_heads * self.head_dim))
         # GQA without repeating K/V: the G query heads of one KV head become G*T query rows
         # (query head h reads KV head h // G); the mask depends on the key only, so it still fits.
         g = self.num_heads // self.num_kv_heads
@@ -125,8 +268,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = DFlashMLP(config, **factory)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, layer, rows, slots, key_mask)
+    def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask, used=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, layer, rows, slots, key_mask, used)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,6 +293,11 @@ class DFlashDraftModel(nn.Module):
         # Kept in float32 outside the buffers so that ``.to(bfloat16)`` cannot round it.
         self._inv_freq, self.rope_amplitude = rope_inv_freq(config)
         self._target = None
+        # Attention over the live context slots only (live_slots_attention: flash attention's
+        # variable-length form on CUDA) or the masked SDPA over every slot (the reference, and
+        # the CPU's form).  None: the first where live_attention_supported, else the second.
+        self.live_attention: bool | None = None
+        self._live_auto = False
         self.context_capacity = 0
         self.register_buffer("context_k", None, persistent=False)
         self.register_buffer("context_v", None, persistent=False)
@@ -175,6 +323,13 @@ class DFlashDraftModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    def live_attention_in_use(self) -> bool:
+        """Whether draft calls attend over the live context slots only (``live_attention``, or
+        where it is None, whether this device and dtype support it)."""
+        if self.live_attention is not None:
+            return bool(self.live_attention)
+        return self._live_auto  # decided by setup_cache (eager: no device queries while compiling)
 
     # ---- borrowed target pieces ----
     def bind_target(self, embed_tokens, lm_head) -> "DFlashDraftModel":
@@ -225,6 +380,7 @@ class DFlashDraftModel(nn.Module):
         self.context_v = torch.zeros(shape, dtype=self.dtype, device=device)
         self.context_lengths = torch.zeros(num_requests, dtype=torch.int64, device=device)
         self.context_capacity = capacity
+        self._live_auto = live_attention_supported(self.context_k[0, :1, :1].view(1, 1, kv_heads, c.head_dim))
         self._inv_freq = self._inv_freq.to(device)
         # Fixed addresses: a CUDA graph (cudagraph trees under mode="reduce-overhead") may then
         # mutate the cache in place instead of skipping graphs for "mutated inputs".
@@ -343,11 +499,13 @@ class DFlashDraftModel(nn.Module):
         positions = self.context_lengths.unsqueeze(1) + offsets
         slot = positions.clamp(max=slots - 1)
         rows = torch.arange(r, device=device).unsqueeze(1).expand(r, bs)
+        live = self.live_attention_in_use()
+        used = (self.context_lengths + bs).clamp(max=slots) if live else None
         visible = torch.arange(slots, device=device) < (self.context_lengths + bs).unsqueeze(1)
-        key_mask = visible[:, None, None, :]
+        key_mask = None if live else visible[:, None, None, :]
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.context_k, self.context_v, i, rows, slot, key_mask)
+            x = layer(x, cos, sin, self.context_k, self.context_v, i, rows, slot, key_mask, used)
         hidden = self.norm(x[:, 1:])
         return hidden if return_hidden else self.compute_logits(hidden)
 
