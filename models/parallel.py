@@ -61,6 +61,11 @@ class TensorParallel:
     hook_ids: set = field(default_factory=set)                     # the reduction hooks' ids
     int4_experts: set = field(default_factory=set)                 # INT4 expert modules (sliced by width)
 
+    def __post_init__(self):
+        # a plain bool, read by compiled steps (the mesh's rank query stays out of the traced code):
+        # the rank whose fused epilogues add the residual, which the all-reduce then sums in
+        self.first_rank = self.mesh.get_local_rank() == 0
+
     @property
     def group(self):
         return self.mesh.get_group()

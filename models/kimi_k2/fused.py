@@ -147,9 +147,11 @@ def experts(module, how: str, x, topk_ids, topk_weights):
     return module(x, topk_ids, topk_weights)  # the reference: int4_moe, or the gathered weights
 
 
-def moe(block, lp: LayerPlan, h, norm, reduce=None):
+def moe(block, lp: LayerPlan, h, norm, reduce=None, residual_here: bool = True):
     """``h + MoE(norm(h))`` as ``lp`` says (``reduce``: tensor parallelism's all-reduce of the
-    block's partial output, before the residual add)."""
+    block's partial output).  Under ``reduce``, the fused launches (shared expert fused) add the
+    residual on one rank only, ``residual_here`` (the first), and the all-reduce sums it in: at world
+    1 the very launches of one device; the other forms add it after the reduction."""
     shape = h.shape
     h2 = h.reshape(-1, shape[-1])
     gate, shared = block.gate, block.shared_experts
@@ -163,14 +165,14 @@ def moe(block, lp: LayerPlan, h, norm, reduce=None):
     topk_ids, topk_weights = route(gate, logits, lp.route)
     if lp.shared == "fused":  # the shared expert (and the residual) inside the experts' two launches
         sw = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-        res = None if reduce is not None else h2
+        res = h2 if reduce is None or residual_here else None
         if lp.experts == "int4_moe":
             y = int4_moe(x, block.experts.int4_weights(), topk_ids, topk_weights, shared=sw, residual=res)
         else:
             e = block.experts
             y = moe_gemv(x, e.gate_proj, e.up_proj, e.down_proj, topk_ids, topk_weights, *sw, res,
                          route_logits=logits if lp.route_hint else None)
-        return y.view(shape) if reduce is None else h + reduce(y.view(shape))
+        return y.view(shape) if reduce is None else reduce(y.view(shape))  # the first rank's y holds h
     y = experts(block.experts, lp.experts, x, topk_ids, topk_weights)
     if shared is not None:
         y = y + mlp(shared, x, lp.matvec)
@@ -211,10 +213,13 @@ def _row_gemv(module, x, topk_ids, topk_weights):
 # the layer
 # --------------------------------------------------------------------------------------------
 
-def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int, reduce=None) -> torch.Tensor:
+def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int, reduce=None,
+                  first_rank: bool = True) -> torch.Tensor:
     """One decoder layer as ``lp`` says (the same function as ``layer(h, ...)``).  ``reduce``
     (tensor parallelism, ``lp.reduce``): the all-reduce the modules' hooks apply to the attention
-    and MLP outputs, applied here where the fused forms bypass the module calls."""
+    and MLP outputs, applied here where the fused forms bypass the module calls.  A fused launch
+    whose epilogue adds the residual does so on the first rank only (``first_rank``) and the
+    all-reduce sums it in, so at world 1 the layer runs one device's launches, bit for bit."""
     attn = layer.self_attn
     if reduce is None:
         reduce = _same
@@ -223,16 +228,16 @@ def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int, redu
     elif lp.qkv == "gemv_norm" and not lp.reduce:  # the residual inside o_proj's launch
         h = attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm)
     elif lp.qkv == "gemv_norm":
-        h = h + reduce(attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm,
-                                 add_residual=False))
+        h = reduce(attention(attn, lp, h, cos, sin, batch, layer_idx, norm=layer.input_layernorm,
+                             add_residual=first_rank))
     else:
         h = h + reduce(attention(attn, lp, layer.input_layernorm(h), cos, sin, batch, layer_idx))
     if lp.experts:
-        return moe(layer.mlp, lp, h, layer.post_attention_layernorm, reduce if lp.reduce else None)
+        return moe(layer.mlp, lp, h, layer.post_attention_layernorm, reduce if lp.reduce else None, first_rank)
     if lp.mlp == "gemv_norm":
         if not lp.reduce:
             return mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm)
-        return h + reduce(mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm, add_residual=False))
+        return reduce(mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm, add_residual=first_rank))
     return h + reduce(mlp(layer.mlp, layer.post_attention_layernorm(h), lp.matvec))
 
 

@@ -546,11 +546,12 @@ class KimiK2Model(KimiK2PreTrainedModel):
         h = self.embed_tokens(input_ids)
         tp = getattr(self, "tp", None)
         reduce = tp.all_reduce if tp is not None else None  # the TP hooks' reduction, for the fused forms
+        first_rank = tp is None or tp.first_rank  # the rank whose fused epilogues add the residual
         taps = [None] * len(tap_layers)
         for i, layer in enumerate(self.layers):
             lp = plan.layers[i]
             h = layer(h, cos, sin, batch, i) if lp.reference else \
-                fused.layer_forward(layer, lp, h, cos, sin, batch, i, reduce)
+                fused.layer_forward(layer, lp, h, cos, sin, batch, i, reduce, first_rank)
             if i in taps_at:
                 taps[taps_at[i]] = h
         return KimiK2ModelOutput(self.norm(h), torch.cat(taps, dim=-1) if taps else None)

@@ -137,7 +137,7 @@ class LayerPlan:
     shared: str = ""
     matvec: bool = False
     route_hint: bool = False
-    reduce: bool = False  # tensor parallel: all-reduce the attention and MLP outputs, residual added after
+    reduce: bool = False  # tensor parallel: all-reduce the attention and MLP outputs (fused residuals: first rank)
 
     @property
     def reference(self) -> bool:
