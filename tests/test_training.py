@@ -244,3 +244,31 @@ def test_demo_prompts_start_at_a_def_and_end_at_a_line_end():
     for p in got:
         assert p["text"].lstrip().startswith("def ") and p["text"].endswith("\n") and len(p["text"]) >= 100
         assert len(p["text"]) < 100 + 20  # cut at the first line end past 100 characters
+
+
+def test_package_licences_must_all_be_permissive():
+    v = corpus.license_verdict
+    assert v("Apache-2.0 AND Apache-2.0 WITH LLVM-exception AND BSD-3-Clause AND MIT", [], "")[1] == ""
+    assert v("Apache-2.0 OR BSD-2-Clause", [], "")[1] == ""
+    assert "MPL-2.0" in v("MPL-2.0 AND MIT", [], "")[1]
+    assert v("", ["BSD License"], "")[1] == "" and v("", [], "MIT\nPermission is hereby granted")[1] == ""
+    assert "GNU" in v("", ["GNU General Public License v3 (GPLv3)"], "")[1]
+    assert v("", [], "") == (None, "no licence in its metadata")
+    assert corpus.package_license("no_such_package_here")[1] == "not installed"
+
+
+def test_package_sources_are_named_by_package_and_leave_out_vendored_code():
+    files, records = corpus.package_files(["torch", "no_such_package_here"], limit_bytes=300_000)
+    assert files and all(f.path.startswith("site/torch/") for f in files)
+    assert not any(part in corpus.PACKAGE_EXCLUDED_DIRS for f in files for part in f.path.split("/")[:-1])
+    total = sum(len(f.text.encode()) for f in files)
+    assert 300_000 <= total < 300_000 + corpus.PACKAGE_MAX_FILE_BYTES
+    torch_rec, missing = records
+    assert torch_rec["package"] == "torch" and torch_rec["version"] in torch.__version__
+    assert torch_rec["files_used"] == len(files) <= torch_rec["files"] and torch_rec["license"]
+    assert missing == {"package": "no_such_package_here", "skipped": "not installed"}
+    # the same subset on every call, and held-out membership by path as for the standard library
+    again, _ = corpus.package_files(["torch"], limit_bytes=300_000)
+    assert [f.path for f in again] == [f.path for f in files]
+    train, held = corpus.split(files, 0.5)
+    assert {f.path for f in held} == ({f.path for f in files if corpus.is_heldout(f.path, 0.5)} or {held[0].path})

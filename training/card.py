@@ -56,7 +56,11 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         f"hash of the path (`{manifest['heldout_rule']}`).  Excluded: {', '.join(manifest['excluded_dirs'])}, "
         f"{', '.join(manifest['excluded_files'])}, files whose first lines say they are generated, and files that "
         f"are not UTF-8.  Corpus checksum `{manifest['checksum']}` (manifest.json lists the held-out files).  "
-        "The standard library is © the Python Software Foundation under the PSF License Agreement.",
+        "The standard library is © the Python Software Foundation under the PSF License Agreement."
+        + ("  Package sources (each under its own permissive licence, as its metadata names it): "
+           + "; ".join(f"{p['package']} {p['version']} ({p['license']}), {p['files_used']} files"
+                       for p in manifest["packages"] if "skipped" not in p)
+           + "." if manifest.get("packages") else ""),
         "",
         f"Tokenizer: byte-level BPE (`tokenizers`), {metrics['tokenizer']['vocab_size']} tokens including "
         f"`<pad>`, `<bos>`, `<eos>`, `<mask>` (ids {', '.join(str(v) for v in metrics['tokenizer']['special_ids'].values())}); "
@@ -140,8 +144,9 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         "",
         "## Limits",
         "",
-        "- Trained only on the CPython standard library: it continues Python source in that library's style and "
-        "knows nothing else; it is a demonstration model for speculative decoding, not an assistant.",
+        "- Trained only on Python source (the CPython standard library"
+        + (" and the packages above" if manifest.get("packages") else "") + "): it continues Python code in "
+        "that style and knows nothing else; it is a demonstration model for speculative decoding, not an assistant.",
         f"- Trained on {recipe.seq_len}-token windows: text beyond that many positions is untested (YaRN "
         f"stretches RoPE to {t['max_position_embeddings']} positions, but no training covered them).",
         "- Small: greedy continuations repeat themselves; held-out files share authors, idioms and "
@@ -152,8 +157,8 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         "## Reproduce",
         "",
         f"`python -m training.run --out <dir> --device {'cpu --toy' if toy else 'cuda'}` with torch "
-        f"{metrics['torch']}, Python {metrics['python']} (the corpus is the running interpreter's standard library: "
-        f"another Python version gives another corpus, see manifest.json), seed {metrics['seed']}.  Phase times: "
+        f"{metrics['torch']}, Python {metrics['python']} (the corpus is the running interpreter's standard library "
+        f"and installed packages: another Python or package version gives another corpus, see manifest.json), seed {metrics['seed']}.  Phase times: "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in metrics["phase_seconds"].items()) + ".",
         "",
     ]

@@ -41,6 +41,8 @@ class Recipe:
     name: str
     # corpus and tokenizer
     corpus_bytes: int | None          # None: the whole standard library; else a fixed subset of about this size
+    packages: tuple                   # installed packages whose sources join the corpus (licences checked)
+    package_bytes: int | None         # about this many bytes of them (a fixed subset by path hash); None: all
     heldout_fraction: float
     vocab_size: int
     # target pre-training (bf16 autocast on CUDA, fp32 on the CPU)
@@ -90,6 +92,11 @@ class Recipe:
 FULL = Recipe(
     name="full",
     corpus_bytes=None, heldout_fraction=0.03, vocab_size=4096,
+    # the stdlib alone was 8.1 MB on the device (no test package): with ~64 MB of the packages torch
+    # installs, pre-training reads the corpus about once instead of ~7 times (training/corpus.py)
+    packages=("torch", "transformers", "numpy", "sympy", "networkx", "triton", "jinja2", "fsspec", "huggingface_hub",
+              "setuptools"),
+    package_bytes=64_000_000,
     target=_target(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=5,
                    num_attention_heads=8, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=32,
                    num_experts_per_tok=4, window=512),
@@ -105,7 +112,7 @@ FULL = Recipe(
 
 TOY = Recipe(
     name="toy",
-    corpus_bytes=300_000, heldout_fraction=0.1, vocab_size=512,
+    corpus_bytes=300_000, packages=(), package_bytes=None, heldout_fraction=0.1, vocab_size=512,
     target=_target(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=8, q_lora_rank=64, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
                    num_experts_per_tok=2, window=128),

@@ -17,8 +17,10 @@ prompts) only once everything has succeeded.
 Time on one H200, FULL recipe — an estimate, not a measurement (no GPU run has happened yet;
 replace these lines with the first run's measured phase times, which metrics.json records):
 
-- corpus and tokenizer: ~29 MB read (< 1 s); BPE to 4096 tokens took 7.7 s and encoding the
-  ~8.2 M training tokens 29 s on a 2-core CPU here, a few seconds each on 16 cores: ~0.3 min.
+- corpus and tokenizer: the standard library (29 MB here, 8.1 MB on the device, which lacks its test
+  package) plus ~64 MB of package sources: 90 MB read and filtered in 3.1 s, BPE to 4096 tokens in
+  8.0 s on a 2-core CPU here (3.41 bytes a token: ~26 M training tokens), encoding them ~1-2 min here,
+  a few seconds on 16 cores: ~0.3 min on the device.
 - target: 18.7 M parameters (12.6 M in routed experts), 6.7 M multiplied per token, so
   ~40 MFLOP/token for forward + backward plus ~16 MFLOP/token of attention over 512 positions:
   ~1.8 TFLOP per 32,768-token step.  Matrices this narrow (hidden 256) and the looped experts
@@ -98,12 +100,20 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
 
     clock.phase("corpus")
     files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
+    packages = None
+    if recipe.packages:
+        extra, packages = corpus.package_files(recipe.packages, limit_bytes=recipe.package_bytes)
+        files = sorted(files + extra, key=lambda f: f.path)
+        for rec in packages:
+            log(f"  package {rec['package']}: " + (f"skipped ({rec['skipped']})" if "skipped" in rec else
+                f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
     train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
-    manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction)
+    manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     # held-out code prompts for the main job (python -m torch_kdtree.demo)
+    stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
     prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
-                             "lines after it", "prompts": corpus.demo_prompts(heldout_files)}
+                             "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
     (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
     log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
         f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
