@@ -910,6 +910,12 @@ def test_plan_picks_the_decode_kernels_by_shape_and_says_why_not():
     verify = _kernel_plan(model, 1, 17, compiled=True, device="cuda").layers[1]
     assert (verify.attention, verify.qkv, verify.matvec, verify.router, verify.experts, verify.shared) == \
         ("tree_op", "torch", False, "mm", "grouped_mm", "torch")
+    # kdtree::gemm_rows for the linears of bf16 passes of 5 ... 32 rows, not for decode sizes or more rows
+    assert verify.rows_gemm and verify.linear_form == "rows" and "gemm_rows" in str(verify.describe())
+    assert not dense.rows_gemm and dense.linear_form == "matvec"
+    assert not _kernel_plan(model, 2, 17, compiled=True, device="cuda").layers[1].rows_gemm  # 34 rows
+    assert _kernel_plan(model, 1, 5, device="cuda").layers[0].rows_gemm  # eager passes too
+    assert not _kernel_plan(make_model(42, num_hidden_layers=2), 1, 17, device="cuda").layers[1].rows_gemm  # fp32
     assert not _kernel_plan(model, 1, 17, device="cpu").layers[1].router == "mm"  # aten::mm.dtype: CUDA only
     long_cache = _kernel_plan(model, 1, 1, device="cuda", keys=2048)
     assert long_cache.layers[0].attention == "prepare_output" and "mla_decode" in str(long_cache)
@@ -951,6 +957,7 @@ def test_fused_forms_equal_the_reference_forward(R, N, compiled):
     model = make_model(44, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8).to(torch.bfloat16)
     plan = _kernel_plan(model, R, N, compiled=compiled)
     assert not all(lp.reference for lp in plan.layers)
+    assert all(lp.rows_gemm for lp in plan.layers) == (R * N >= 5)  # N = 9: the linears through gemm_rows
     g = torch.Generator().manual_seed(45 + N)
     prompt = torch.randint(0, VOCAB, (R, 6), generator=g)
     tokens = torch.randint(0, VOCAB, (R, N), generator=g)

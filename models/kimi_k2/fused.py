@@ -28,7 +28,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 # attention
 # --------------------------------------------------------------------------------------------
 
-def _projections(attn, x, norm, mv: bool):
+def _projections(attn, x, norm, mv):
     """q [R, T, h * (dn + dr)] and ckv [R, T, dc + dr].  With ``norm``, x is the residual stream
     and the norm runs inside the kdtree::gemv launch of the projections that read it."""
     if norm is not None:
@@ -44,7 +44,7 @@ def _projections(attn, x, norm, mv: bool):
     return q, linear(attn.kv_a_proj_with_mqa, x, mv)
 
 
-def _o_proj(attn, out, residual, mv: bool):
+def _o_proj(attn, out, residual, mv):
     """o_proj of the heads' values [R, N, h * dv] (plus ``residual`` inside kdtree::gemv's kernel)."""
     if residual is not None:
         return fused_gemv(out, [attn.o_proj.weight], residual=residual)[0]
@@ -55,7 +55,7 @@ def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None
     """The attention of a tree pass as ``lp`` says.  With ``norm`` (``lp.qkv == "gemv_norm"``) x is
     the residual stream and the result is ``x + attention(norm(x))`` (``attention(norm(x))`` without
     ``add_residual``: tensor parallelism adds it after the reduction)."""
-    mv = lp.matvec
+    mv = lp.linear_form
     q, ckv = _projections(attn, x, norm, mv)
     residual = x if norm is not None and add_residual else None
     R, N = x.shape[:2]
@@ -107,8 +107,8 @@ def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None
 # feed-forward
 # --------------------------------------------------------------------------------------------
 
-def mlp(module, x, mv: bool):
-    """``down(silu(gate(x)) * up(x))`` with the multiply + sum linears where ``mv``."""
+def mlp(module, x, mv):
+    """``down(silu(gate(x)) * up(x))`` with the linears in form ``mv`` (a LayerPlan's ``linear_form``)."""
     return linear(module.down_proj, F.silu(linear(module.gate_proj, x, mv)) * linear(module.up_proj, x, mv), mv)
 
 
@@ -175,7 +175,7 @@ def moe(block, lp: LayerPlan, h, norm, reduce=None, residual_here: bool = True):
         return y.view(shape) if reduce is None else reduce(y.view(shape))  # the first rank's y holds h
     y = experts(block.experts, lp.experts, x, topk_ids, topk_weights)
     if shared is not None:
-        y = y + mlp(shared, x, lp.matvec)
+        y = y + mlp(shared, x, lp.linear_form)
     y = y.view(shape)
     return h + (y if reduce is None else reduce(y))
 
@@ -238,7 +238,7 @@ def layer_forward(layer, lp: LayerPlan, h, cos, sin, batch, layer_idx: int, redu
         if not lp.reduce:
             return mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm)
         return reduce(mlp_gemv_norm(layer.mlp, h, layer.post_attention_layernorm, add_residual=first_rank))
-    return h + reduce(mlp(layer.mlp, layer.post_attention_layernorm(h), lp.matvec))
+    return h + reduce(mlp(layer.mlp, layer.post_attention_layernorm(h), lp.linear_form))
 
 
 def _same(x):

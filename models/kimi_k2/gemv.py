@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torch_kdtree.ops import gemm_rows
+
 GEMV_MAX_WEIGHT = 1 << 25  # elements; larger weights stay on cuBLAS (bandwidth-bound anyway)
 
 
@@ -20,19 +22,24 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float()[..., None, :] * weight.float()).sum(-1)
 
 
-def products_as_matvec(matvec_form: bool, weight: torch.Tensor) -> bool:
-    """Whether a product with ``weight`` takes the multiply + sum form (asked for, weight not huge)."""
-    return matvec_form and weight.numel() <= GEMV_MAX_WEIGHT
+def products_as_matvec(form, weight: torch.Tensor) -> bool:
+    """Whether a product with ``weight`` takes the multiply + sum form (``form`` True or "matvec",
+    a LayerPlan's ``linear_form``; weight not huge)."""
+    return form in (True, "matvec") and weight.numel() <= GEMV_MAX_WEIGHT
 
 
-def linear(module: nn.Linear, x: torch.Tensor, matvec_form: bool = False) -> torch.Tensor:
-    """``module(x)``, or with ``matvec_form`` the same product as an fp32 multiply + sum (one fused
-    reduction kernel under inductor), rounded to x's dtype like the GEMM."""
-    if products_as_matvec(matvec_form, module.weight):
+def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
+    """``module(x)``; with ``form`` True / "matvec" the same product as an fp32 multiply + sum (one
+    fused reduction kernel under inductor), rounded to x's dtype like the GEMM; with "rows" through
+    ``kdtree::gemm_rows`` (the weight streamed once; a tree pass's 5-32 rows)."""
+    if products_as_matvec(form, module.weight):
         y = matvec(x, module.weight)
         if module.bias is not None:
             y = y + module.bias.float()
         return y.to(x.dtype)
+    if form == "rows":
+        y = gemm_rows(x, module.weight)
+        return y if module.bias is None else y + module.bias
     return module(x)
 
 

@@ -35,6 +35,9 @@ Field values:
   ``torch`` or ``none``.
 - ``matvec``: decode-sized compiled CUDA passes write the small projections as multiply + sum
   (one inductor reduction kernel each, :mod:`.gemv`).
+- ``gemm_rows``: tree-sized bf16 passes (GEMM_ROWS_MIN ... GEMM_ROWS_MAX rows) run their linear
+  layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
+  cuBLAS GEMM of 5-32 rows reads it at 0.3-0.5 of the bandwidth (bench/RESULTS.md run 178).
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ from torch_kdtree.ops.moe_route import MAX_EXPERTS as ROUTE_MAX_E, MAX_GROUPS as
 FUSED_ROWS = 4
 # Compiled CUDA passes of at most this many rows write linears as multiply + sum (gemv.py).
 GEMV_ROWS = 4
+# kdtree::gemm_rows takes the linear layers of bf16 passes of this many rows (a tree verify of
+# B = 4 ... 31 for one request); fewer rows keep the decode forms, more a GEMM.
+GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMV_ROWS + 1, 32
 # mla_prepare replaces the torch RoPE / norm / cache write / W_UK forms up to this many tokens, and
 # mla_tree_attention_output the separate W_UV product up to this many (bench/RESULTS.md runs 49-58).
 PREPARE_ROWS = 4
@@ -85,7 +91,7 @@ MLA_FORMS = ("prepare", "prepare_output", "decode")
 FP8 = torch.float8_e4m3fn
 
 ALL = "all"  # Target.kernels: pretend every kdtree kernel exists (tests run fused forms on the CPU)
-_OPS = ("gemv", "mla_prepare", "mla_decode", "mla_tree_attention", "moe_gemv", "moe_route", "int4_moe")
+_OPS = ("gemv", "gemm_rows", "mla_prepare", "mla_decode", "mla_tree_attention", "moe_gemv", "moe_route", "int4_moe")
 
 
 def _kernels_on(device_type: str) -> frozenset[str]:
@@ -136,8 +142,14 @@ class LayerPlan:
     experts: str = ""
     shared: str = ""
     matvec: bool = False
+    rows_gemm: bool = False
     route_hint: bool = False
     reduce: bool = False  # tensor parallel: all-reduce the attention and MLP outputs (fused residuals: first rank)
+
+    @property
+    def linear_form(self) -> str:
+        """How the layer's plain linear layers run: "matvec", "rows" (kdtree::gemm_rows) or "" (the module)."""
+        return "matvec" if self.matvec else "rows" if self.rows_gemm else ""
 
     @property
     def reference(self) -> bool:
@@ -154,6 +166,8 @@ class LayerPlan:
             parts.append(f"mlp={self.mlp}")
         if self.matvec:
             parts.append("matvec")
+        if self.rows_gemm:
+            parts.append("gemm_rows")
         if self.reduce:
             parts.append("all_reduce")
         return " ".join(parts)
@@ -366,9 +380,13 @@ class _Planner:
     def layer(self, layer) -> LayerPlan:
         attention, qkv = self.attention(layer)
         matvec = self.t.compiled and self.t.gpu_forms and self.rows <= GEMV_ROWS
+        rows_gemm = (not matvec and self.bf16 and GEMM_ROWS_MIN <= self.rows <= GEMM_ROWS_MAX
+                     and self.t.has("gemm_rows"))
         if hasattr(layer.mlp, "experts"):
-            return LayerPlan(attention, qkv, matvec=matvec, reduce=self.reduce, **self.moe(layer, matvec))
-        return LayerPlan(attention, qkv, mlp=self.dense_mlp(layer), matvec=matvec, reduce=self.reduce)
+            return LayerPlan(attention, qkv, matvec=matvec, rows_gemm=rows_gemm, reduce=self.reduce,
+                             **self.moe(layer, matvec))
+        return LayerPlan(attention, qkv, mlp=self.dense_mlp(layer), matvec=matvec, rows_gemm=rows_gemm,
+                         reduce=self.reduce)
 
 
 def _grouped_mm_available() -> bool:

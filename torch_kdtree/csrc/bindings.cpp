@@ -131,6 +131,10 @@ TORCH_LIBRARY(kdtree, m) {
   m.def("gemv(Tensor x, Tensor[] weights, Tensor? norm_weight=None, float eps=1e-06, Tensor? up=None,"
         " Tensor? residual=None, int fp32_outputs=0, bool return_input=False) -> Tensor[]");
 
+  // ---- tree-sized linear layers (ops/gemm_rows.py, csrc/gemm_rows.cu) ----
+  // y = x @ weight.T for x [M <= 32, K] and weight [N, K]: the weight streamed once through tensor cores.
+  m.def("gemm_rows(Tensor x, Tensor weight) -> Tensor");
+
 #ifdef KDTREE_TRACE
   // A diagnostic build's kernel phase stamps (csrc/trace.cuh; mode 1 zeroes them): stamps [records,
   // kTraceMaxBlocks, 2 x kTracePhases] and each record's kind and grid [records, 3], int64 on the CPU.

@@ -1,0 +1,46 @@
+"""kdtree::gemm_rows against cuBLAS (F.linear) on the linear layers of a tree verify, one run.
+
+Run (H200, ~1 min): pytest bench/bench_gemm_rows.py --benchmark-only -s
+Shapes: K2's TP-8 rank (k2_slice) and 2p2b projections -- q_a + kv_a as two calls (7168 -> 1536,
+576), q_b (1536 -> 8 x 192), o_proj (1024 -> 7168), the dense MLP (7168 -> 2304, 2304 -> 7168), the
+shared expert slice (7168 -> 256), 2p2b's q_a (2048 -> 1536) and MLP down (6144 -> 2048) -- at
+M = 5 / 9 / 17 / 32 rows (B = 4 / 8 / 16 / 31 trees of one request).  Times are per call inside a
+CUDA graph (bench/conftest.py); bytes = the weight + x + y; ceiling = max(read, copy) measured in
+this run; speedup = cuBLAS time / gemm_rows time.  Each call is also checked against the fp32
+product (relative error).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_kdtree.ops import gemm_rows
+
+from .conftest import cuda_time_us, hbm_ceiling, record, requires_cuda
+
+SHAPES = {  # name: (K, N)
+    "k2_q_a": (7168, 1536), "k2_kv_a": (7168, 576), "k2_q_b": (1536, 1536), "k2_o_proj": (1024, 7168),
+    "k2_mlp_up": (7168, 2304), "k2_mlp_down": (2304, 7168), "k2_shared_up": (7168, 256),
+    "2p2b_q_a": (2048, 1536), "2p2b_mlp_down": (6144, 2048),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [5, 9, 17, 32])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemm_rows_against_cublas(benchmark, name, M):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemm_rows", "CUDA"):
+        pytest.skip("needs the kdtree::gemm_rows CUDA kernel")
+    K, N = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    ours = cuda_time_us(lambda: gemm_rows(x, w))
+    cublas = cuda_time_us(lambda: F.linear(x, w))
+    want = x.float() @ w.float().T
+    err = ((gemm_rows(x, w).float() - want).norm() / want.norm()).item()
+    ceiling = hbm_ceiling()
+    nbytes = 2 * (N * K + M * K + M * N)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    record(benchmark, op="gemm_rows", shape=name, M=M, K=K, N=N, us=ours, cublas_us=cublas, speedup=cublas / ours,
+           ceiling_ratio=nbytes / (ours * 1e-6) / 1e9 / ceiling.gbs,
+           cublas_ceiling_ratio=nbytes / (cublas * 1e-6) / 1e9 / ceiling.gbs, rel_err=err, **ceiling.fields())

@@ -1,0 +1,156 @@
+"""kdtree::gemm_rows (tree-sized linear layers): the reference against a float64 oracle, bad inputs,
+opcheck and torch.compile on CPU; on CUDA the kernel against the reference on fresh random inputs
+(one and two m16 tiles of rows, ragged N and K, split and unsplit K), rows past M never read, the
+same bits on every run, CUDA graph replay, opcheck and a compiled fullgraph step."""
+import pytest
+import torch
+
+from .conftest import requires_cuda_kernel
+from torch_kdtree.ops import gemm_rows, gemm_rows_reference
+
+requires_kernel = requires_cuda_kernel("kdtree::gemm_rows")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def case(gen, M, K, N, dtype=torch.float32, device="cpu"):
+    x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+    w = (torch.randn(N, K, generator=gen, device=device) / K ** 0.5).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 8, 1), (5, 72, 33), (17, 264, 130), (32, 1024, 64)])
+def test_reference_matches_float64_oracle(fresh_seed, M, K, N):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, w = case(gen, M, K, N)
+    oracle = torch.einsum("mk,nk->mn", x.double(), w.double())
+    got = gemm_rows_reference(x, w)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-5)
+    # bf16: the fp32 sums rounded once
+    xb, wb = x.bfloat16(), w.bfloat16()
+    want = torch.einsum("mk,nk->mn", xb.double(), wb.double()).float().bfloat16()
+    assert (gemm_rows_reference(xb, wb).float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7
+
+
+def test_op_on_cpu_is_the_reference_and_keeps_leading_dims(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, w = case(gen, 12, 64, 48)
+    got = gemm_rows(x.view(3, 4, 64), w)
+    assert got.shape == (3, 4, 48) and torch.equal(got.view(12, 48), gemm_rows_reference(x, w))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtypes,message", [
+    ((33, 64), (8, 64), (torch.float32,) * 2, "at most 32 rows"),
+    ((4, 12), (8, 12), (torch.float32,) * 2, "multiple of 8"),
+    ((4, 64), (8, 72), (torch.float32,) * 2, r"weight must be \[N >= 1, K = 64\]"),
+    ((4, 64), (0, 64), (torch.float32,) * 2, r"weight must be \[N >= 1"),
+    ((4, 64), (8, 64), (torch.float32, torch.bfloat16), "weight must be torch.float32"),
+    ((4, 64), (8, 64), (torch.int32, torch.int32), "x must be"),
+])
+def test_bad_inputs_raise(x_shape, w_shape, dtypes, message):
+    x = torch.zeros(x_shape, dtype=dtypes[0])
+    w = torch.zeros(w_shape, dtype=dtypes[1])
+    with pytest.raises((ValueError, TypeError), match=message):
+        gemm_rows(x, w)
+
+
+def test_non_contiguous_weight_raises():
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        gemm_rows(torch.zeros(4, 64), torch.zeros(64, 16).T)
+
+
+def test_opcheck_cpu(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, w = case(gen, 7, 64, 24)
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, w))
+
+
+def test_compiles_with_fullgraph_on_cpu(fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, w = case(gen, 9, 128, 40)
+    step = lambda x: gemm_rows(torch.nn.functional.silu(x), w).sum(-1)  # noqa: E731
+    torch.testing.assert_close(torch.compile(step, fullgraph=True)(x), step(x))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------
+
+CUDA_CASES = [
+    (1, 8, 1),          # the smallest: one chunk, one output
+    (5, 7168, 1536),    # a B = 4 tree through K2's q_a (split K)
+    (16, 1536, 1536),   # one full m16 tile
+    (17, 7168, 2112),   # B = 16: two tiles, the second with one row
+    (32, 2304, 7168),   # two full tiles, N past many blocks
+    (9, 136, 100),      # ragged K (not a multiple of 64) and N (not of 64)
+    (3, 65536, 8),      # one block of N, K split many ways
+]
+
+
+@requires_kernel
+@pytest.mark.parametrize("M,K,N", CUDA_CASES)
+def test_cuda_kernel_matches_reference(fresh_seed, M, K, N):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x, w = case(gen, M, K, N, torch.bfloat16, "cuda")
+    got = gemm_rows(x, w)
+    want = gemm_rows_reference(x.cpu(), w.cpu())
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    # the same products in another fp32 order: a bf16 rounding apart at most, element by element
+    assert (got.cpu().float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7 + 1e-6
+    assert rel_err(got.cpu(), want) < 4e-3
+
+
+@requires_kernel
+def test_cuda_reads_no_rows_past_m_and_is_deterministic(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x, w = case(gen, 17, 1024, 320, torch.bfloat16, "cuda")
+    big = torch.full((32, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    big[:17] = x
+    got = gemm_rows(big[:17], w)
+    assert torch.isfinite(got.float()).all()
+    assert all(torch.equal(gemm_rows(x, w), got) for _ in range(3))
+
+
+@requires_kernel
+def test_cuda_graph_replays_with_new_inputs(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x, w = case(gen, 11, 2048, 512, torch.bfloat16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemm_rows(x, w)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm_rows(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out.cpu(), gemm_rows_reference(x.cpu(), w.cpu())) < 4e-3
+
+
+@requires_kernel
+def test_opcheck_cuda(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x, w = case(gen, 6, 512, 96, torch.bfloat16, "cuda")
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, w))
+
+
+@requires_kernel
+def test_cuda_compiles_with_fullgraph(fresh_seed):
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x, w = case(gen, 13, 1024, 256, torch.bfloat16, "cuda")
+    step = lambda x: gemm_rows(torch.nn.functional.silu(x), w).float().sum(-1)  # noqa: E731
+    got = torch.compile(step, fullgraph=True)(x)
+    torch.testing.assert_close(got, step(x), rtol=2e-2, atol=2e-2)
+
+
+@requires_kernel
+def test_cuda_bad_dtype_raises():
+    x = torch.zeros(4, 64, device="cuda")
+    with pytest.raises(TypeError, match="bfloat16 on cuda"):
+        gemm_rows(x, torch.zeros(8, 64, device="cuda"))
