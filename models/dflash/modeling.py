@@ -181,8 +181,11 @@ def live_slots_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     dev = q.device
     starts = torch.arange(parts, device=dev) * chunk
     length = (slots - starts).clamp(max=chunk)                                              # [P]
-    base = torch.arange(r, device=dev).unsqueeze(1) * slots
-    cu_k = torch.cat(((base + starts).flatten(), torch.tensor([r * slots], device=dev))).to(torch.int32)
+    # segment i = (request i // P, partition i % P) starts at its request's row + the partition's
+    # start; i = R * P gives R * S, the end (built from aranges: no host-to-device copy, so a CUDA
+    # graph can capture it)
+    seg = torch.arange(r * parts + 1, device=dev)
+    cu_k = ((seg // parts) * slots + (seg % parts) * chunk).to(torch.int32)
     seg_used = (used.to(torch.int64).unsqueeze(1) - starts).clamp(min=0).minimum(length)  # [R, P]
     cu_q = (torch.arange(r * parts + 1, device=dev) * t).to(torch.int32)
     qq = q.unsqueeze(1).expand(r, parts, t, heads, d).reshape(r * parts * t, heads, d)

@@ -37,7 +37,7 @@ Field values:
   (one inductor reduction kernel each, :mod:`.gemv`).
 - ``gemm_rows``: tree-sized bf16 passes (GEMM_ROWS_MIN ... GEMM_ROWS_MAX rows) run their linear
   layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
-  cuBLAS GEMM of 5-32 rows reads it at 0.3-0.5 of the bandwidth (bench/RESULTS.md run 178).
+  cuBLAS GEMM of 5-17 rows read it at 0.3-0.5 of the bandwidth inside a step (bench/RESULTS.md run 178).
 """
 from __future__ import annotations
 
@@ -58,8 +58,10 @@ FUSED_ROWS = 4
 # Compiled CUDA passes of at most this many rows write linears as multiply + sum (gemv.py).
 GEMV_ROWS = 4
 # kdtree::gemm_rows takes the linear layers of bf16 passes of this many rows (a tree verify of
-# B = 4 ... 31 for one request); fewer rows keep the decode forms, more a GEMM.
-GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMV_ROWS + 1, 32
+# B = 4 ... 15 for one request); fewer rows keep the decode forms, more a GEMM.  The op takes up to
+# 32 rows, but its two-tile form (17-32) was slower than cuBLAS on the H100 with the weights in L2
+# (run 181: o_proj 0.70x / 0.51x at 17 / 32 rows; one tile 0.92-1.52x) and is not measured from HBM yet.
+GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMV_ROWS + 1, 16
 # mla_prepare replaces the torch RoPE / norm / cache write / W_UK forms up to this many tokens, and
 # mla_tree_attention_output the separate W_UV product up to this many (bench/RESULTS.md runs 49-58).
 PREPARE_ROWS = 4
