@@ -104,21 +104,33 @@ def stdlib_files(root: Path | None = None, limit_bytes: int | None = None) -> li
         rel = p.relative_to(root).as_posix()
         if _excluded(rel) or not p.is_file():
             continue
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text.strip() and not _generated(text):
+        text = _source_text(p)
+        if text is not None:
             files.append(SourceFile(rel, text))
-    if limit_bytes is not None:
-        chosen, total = [], 0
-        for f in sorted(files, key=lambda f: hashlib.sha256(f.path.encode()).digest()):
-            if total >= limit_bytes:
-                break
-            chosen.append(f)
-            total += len(f.text.encode("utf-8"))
-        files = sorted(chosen, key=lambda f: f.path)
-    return files
+    return sorted(_hashed_subset(files, limit_bytes), key=lambda f: f.path)
+
+
+def _source_text(path: Path) -> str | None:
+    """The file's text, or None when it is not UTF-8, empty, or says it is generated."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.strip() and not _generated(text) else None
+
+
+def _hashed_subset(files: list[SourceFile], limit_bytes: int | None) -> list[SourceFile]:
+    """About ``limit_bytes`` of ``files`` (all when None): files in path-hash order until the budget
+    is spent (the same subset on every machine that has the files)."""
+    if limit_bytes is None:
+        return files
+    chosen, total = [], 0
+    for f in sorted(files, key=lambda f: hashlib.sha256(f.path.encode()).digest()):
+        if total >= limit_bytes:
+            break
+        chosen.append(f)
+        total += len(f.text.encode("utf-8"))
+    return chosen
 
 
 # Package sources: licences accepted (every one a package's metadata names must be among these) and
@@ -182,30 +194,20 @@ def package_files(names, limit_bytes: int | None = None) -> tuple[list[SourceFil
                 continue
             if p.stat().st_size > PACKAGE_MAX_FILE_BYTES:
                 continue
-            try:
-                text = p.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            if text.strip() and not _generated(text):
+            text = _source_text(p)
+            if text is not None:
                 kept.append(SourceFile(f"{PACKAGE_PREFIX}{name}/{rel}", text))
         dist = metadata.packages_distributions()[name][0]
         records.append({"package": name, "distribution": dist, "version": metadata.version(dist),
                         "license": licence, "files": len(kept), "bytes": sum(len(f.text.encode()) for f in kept)})
         files += kept
-    if limit_bytes is not None:
-        chosen, total = [], 0
-        for f in sorted(files, key=lambda f: hashlib.sha256(f.path.encode()).digest()):
-            if total >= limit_bytes:
-                break
-            chosen.append(f)
-            total += len(f.text.encode("utf-8"))
-        files = chosen
-        kept_by = {}
-        for f in files:
-            kept_by[f.path.split("/")[1]] = kept_by.get(f.path.split("/")[1], 0) + 1
-        for r in records:
-            if "files" in r:
-                r["files_used"] = kept_by.get(r["package"], 0)
+    files = _hashed_subset(files, limit_bytes)
+    used = {}
+    for f in files:
+        used[f.path.split("/")[1]] = used.get(f.path.split("/")[1], 0) + 1
+    for r in records:
+        if "files" in r:
+            r["files_used"] = used.get(r["package"], 0)
     return sorted(files, key=lambda f: f.path), records
 
 

@@ -24,6 +24,7 @@
 // safe).  mma.sync and cp.async exist on sm_80+: the same code runs on sm_90 and sm_120.
 #include "check.h"
 #include "cp_async.cuh"
+#include "mma_sync.cuh"
 #include "pdl.cuh"
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -69,18 +70,6 @@ struct GemmRowsParams {
 
 // Byte offset of 16-byte chunk c (0..7) of row `row` in a tile of 128-byte rows.
 __device__ __forceinline__ uint32_t tile_off(int row, int c) { return uint32_t(row * kRowBytesG + ((c ^ (row & 7)) << 4)); }
-
-__device__ __forceinline__ void ldsm_x4_g(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void mma_bf16_g(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // The weight tile of k tile `kt` into stage buffer `dst`: 64 rows x 8 chunks, 4 chunks a thread.
 __device__ __forceinline__ void load_w_tile(const GemmRowsParams& p, uint32_t dst, int n0, int kt) {
@@ -157,15 +146,15 @@ __global__ void __launch_bounds__(kThreadsG) gemm_rows_kernel(const GemmRowsPara
     for (int ks = 0; ks < kBK / 16; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi) ldsm_x4_g(a[mi], sx + tile_off(mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+      for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sx + tile_off(mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
       // the warp's 16 weight rows: matrices (rows 0-7, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 0-7),
       // (rows 8-15, k 8-15) -> b[0], b[1] of n8 tile 0 and b[2], b[3] of n8 tile 1
       uint32_t b[4];
-      ldsm_x4_g(b, sw + tile_off(warp * 16 + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+      ldsm_x4(b, sw + tile_off(warp * 16 + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
-        mma_bf16_g(acc[mi][0], a[mi], b[0], b[1]);
-        mma_bf16_g(acc[mi][1], a[mi], b[2], b[3]);
+        mma_bf16(acc[mi][0], a[mi], b[0], b[1]);
+        mma_bf16(acc[mi][1], a[mi], b[2], b[3]);
       }
     }
   }
