@@ -767,3 +767,38 @@ def test_cuda_live_slots_attention_equals_masked_sdpa(slots, used, fresh_seed):
     want = _masked_sdpa(q.float().cpu(), cache_k.float().cpu(), cache_v.float().cpu(), used_t.cpu(), d ** -0.5)
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("requests", [1, 2, 5])
+def test_drafter_linears_through_gemm_rows_equal_nn_linear(requests, fresh_seed):
+    """rows_gemm=True makes the drafter's own linears RowsLinear (same state dict, same outputs):
+    calls of gemm_rows_pays' row counts run kdtree::gemm_rows (its CPU kernel here: one request's
+    12-token append, two requests' 8-row block), others F.linear (five requests: 60 and 20 rows);
+    rows_gemm=False restores nn.Linear."""
+    from torch_kdtree.ops import gemm_rows_pays
+    from torch_kdtree.models.dflash.modeling import RowsLinear
+
+    model = random_drafter(seed=fresh_seed, dtype=torch.float32)
+    embed, head = make_target(fresh_seed)
+    model.bind_target(embed, head)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    taps = torch.randn(requests, 12, model.config.num_taps * H, generator=gen)
+    lengths = torch.tensor([12, 5, 1, 7, 3][:requests])
+    roots = torch.tensor([1, 2, 3, 4, 5][:requests])
+    expect_calls = gemm_rows_pays(requests * 12) or gemm_rows_pays(requests * model.block_size)
+    keys = set(model.state_dict())
+    out = {}
+    with torch.no_grad():
+        for rows in (False, True):
+            model.rows_gemm = rows
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out[rows] = draft_one_shot(model, taps, lengths, roots)
+            calls = sum(e.name == "kdtree::gemm_rows" for e in prof.events())
+            linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            assert all(isinstance(m, RowsLinear) == rows for m in linears)
+            assert (calls > 0) == (rows and expect_calls), calls
+    assert set(model.state_dict()) == keys
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    model.rows_gemm = True
+    model.setup_cache(1, 16)
+    assert isinstance(copy.deepcopy(model).fc, RowsLinear)

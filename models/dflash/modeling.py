@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from torch_kdtree.ops import gemm_rows, gemm_rows_pays
 from torch_kdtree.ops._checks import value_checks_active
 
 from ..kimi_k2.checkpoint_files import SAFETENSORS_DTYPES, read_safetensors_header
@@ -203,6 +204,22 @@ def live_slots_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     return merged.to(q.dtype)
 
 
+class RowsLinear(nn.Linear):
+    """An ``nn.Linear`` whose calls of a few rows (``gemm_rows_pays``: a draft block of one or two
+    requests, an append of their accepted tokens) run ``kdtree::gemm_rows``, which streams the weight
+    once through tensor cores where cuBLAS reads it at 0.3-0.5 of the bandwidth (bench/RESULTS.md
+    run 178: the k2_slice drafter's fc, 103 MB, took 74.5 us); other calls are ``F.linear``.  A class
+    swap on the drafter's own linears (:meth:`DFlashDraftModel.setup_cache`): state, hooks (a
+    tensor-parallel rank's reductions) and checkpoints are the nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (gemm_rows_pays(x.numel() // max(1, x.shape[-1])) and self.bias is None and w.is_contiguous()
+                and x.dtype == w.dtype):
+            return gemm_rows(x, w)
+        return F.linear(x, w, self.bias)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig, **factory):
         super().__init__()
@@ -301,6 +318,9 @@ class DFlashDraftModel(nn.Module):
         # the CPU's form).  None: the first where live_attention_supported, else the second.
         self.live_attention: bool | None = None
         self._live_auto = False
+        # The linears of few rows through kdtree::gemm_rows (RowsLinear), or nn.Linear's cuBLAS.  None:
+        # where the op has a kernel for the cache's device and the drafter computes in bf16.
+        self.rows_gemm: bool | None = None
         self.context_capacity = 0
         self.register_buffer("context_k", None, persistent=False)
         self.register_buffer("context_v", None, persistent=False)
@@ -384,6 +404,13 @@ class DFlashDraftModel(nn.Module):
         self.context_lengths = torch.zeros(num_requests, dtype=torch.int64, device=device)
         self.context_capacity = capacity
         self._live_auto = live_attention_supported(self.context_k[0, :1, :1].view(1, 1, kv_heads, c.head_dim))
+        rows = self.rows_gemm
+        if rows is None:
+            rows = (device.type != "cpu" and self.dtype == torch.bfloat16
+                    and torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemm_rows", device.type.upper()))
+        for m in self.modules():
+            if type(m) in (nn.Linear, RowsLinear):
+                m.__class__ = RowsLinear if rows else nn.Linear
         self._inv_freq = self._inv_freq.to(device)
         # Fixed addresses: a CUDA graph (cudagraph trees under mode="reduce-overhead") may then
         # mutate the cache in place instead of skipping graphs for "mutated inputs".

@@ -37,7 +37,7 @@ def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
         if module.bias is not None:
             y = y + module.bias.float()
         return y.to(x.dtype)
-    if form == "rows":
+    if form == "rows" and module.weight.is_contiguous() and module.weight.dtype == x.dtype:
         y = gemm_rows(x, module.weight)
         return y if module.bias is None else y + module.bias
     return module(x)

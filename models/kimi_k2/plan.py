@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from torch_kdtree.ops.gemm_rows import PAYS_ROWS as GEMM_ROWS_PAY
 from torch_kdtree.ops.gemv import MAX_K as GEMV_MAX_K
 from torch_kdtree.ops.moe import int4_decode_path_fits
 from torch_kdtree.ops.moe_gemv import MAX_TOPK as MOE_GEMV_MAX_K
@@ -60,8 +61,10 @@ GEMV_ROWS = 4
 # kdtree::gemm_rows takes the linear layers of bf16 passes of this many rows (a tree verify of
 # B = 4 ... 15 for one request); fewer rows keep the decode forms, more a GEMM.  The op takes up to
 # 32 rows, but its two-tile form (17-32) was slower than cuBLAS on the H100 with the weights in L2
-# (run 181: o_proj 0.70x / 0.51x at 17 / 32 rows; one tile 0.92-1.52x) and is not measured from HBM yet.
-GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMV_ROWS + 1, 16
+# (run 181: o_proj 0.70x / 0.51x at 17 / 32 rows; one tile 0.92-1.52x) and is not measured from HBM
+# yet: torch_kdtree.ops.gemm_rows.PAYS_ROWS.
+GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMM_ROWS_PAY
+assert GEMM_ROWS_MIN > GEMV_ROWS
 # mla_prepare replaces the torch RoPE / norm / cache write / W_UK forms up to this many tokens, and
 # mla_tree_attention_output the separate W_UV product up to this many (bench/RESULTS.md runs 49-58).
 PREPARE_ROWS = 4

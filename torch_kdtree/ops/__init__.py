@@ -25,7 +25,7 @@ from .moe_gemv import moe_gemv, moe_gemv_reference
 from .gemv import gemv, gemv_reference
 
 # ---- tree-sized linear layers (the weight streamed once through tensor cores) ----
-from .gemm_rows import gemm_rows, gemm_rows_reference
+from .gemm_rows import gemm_rows, gemm_rows_pays, gemm_rows_reference
 
 # ---- noaux_tc routing ----
 from .moe_route import moe_route, moe_route_reference

@@ -16,6 +16,14 @@ import torch
 from ._checks import check_same_device, check_tensor
 
 MAX_ROWS = 32
+# Where the kernel pays against cuBLAS (bench/RESULTS.md run 181, H100, weights in L2: one m16 tile of
+# rows at par or ahead, two tiles behind where K is short): callers route these row counts to it.
+PAYS_ROWS = (5, 16)
+
+
+def gemm_rows_pays(rows: int) -> bool:
+    """Whether a linear of ``rows`` rows should go through ``kdtree::gemm_rows`` (PAYS_ROWS)."""
+    return PAYS_ROWS[0] <= rows <= PAYS_ROWS[1]
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -58,4 +66,4 @@ def _(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-__all__ = ["gemm_rows", "gemm_rows_reference", "MAX_ROWS"]
+__all__ = ["gemm_rows", "gemm_rows_reference", "gemm_rows_pays", "MAX_ROWS", "PAYS_ROWS"]
