@@ -66,7 +66,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 # ---- attention over the live slots only ----
 # The context cache has a fixed capacity (every shape static, so a step can be captured), but
 # a step must not read what it does not hold: the masked SDPA below reads all S slots of every
-# layer whatever the context (run 176, H200: a k2_slice DDTree step with a 262k-token cache
+# layer whatever the context (run 180, H200: a k2_slice DDTree step with a 262k-token cache
 # took 6.8 ms at a 1k context against 1.2 ms with a 2k-token cache).  On CUDA the block's
 # queries instead attend through flash attention's variable-length form, whose ``seqused_k``
 # (read on the device) stops each key segment at the request's live length: the capacity is
