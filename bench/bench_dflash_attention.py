@@ -16,17 +16,17 @@ import torch
 from torch_kdtree.models.dflash import random_drafter
 from torch_kdtree.ops import value_checks
 
+from .bench_generate import BLOCK_SIZE as BLOCK, CONFIGS, DRAFTERS
 from .conftest import cuda_time_us, hbm_ceiling, record, requires_cuda
 
 CAPACITY = 262_144
-HIDDEN, VOCAB, BLOCK = 7168, 20480, 8
-DRAFTER = dict(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=1, head_dim=128,
-               intermediate_size=2304, target_layer_ids=[2])
+HIDDEN, VOCAB = CONFIGS["k2_slice"]["hidden_size"], CONFIGS["k2_slice"]["vocab_size"]
 
 
 def _drafter():
     d = random_drafter(seed=1, dtype=torch.float32, hidden_size=HIDDEN, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
-                       num_target_layers=4, block_size=BLOCK, rms_norm_eps=1e-5, **DRAFTER)
+                       num_target_layers=CONFIGS["k2_slice"]["num_hidden_layers"], block_size=BLOCK,
+                       rms_norm_eps=1e-5, **DRAFTERS["k2_slice"])
     d = d.to("cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(2)
     embed = torch.randn(VOCAB, HIDDEN, device="cuda", generator=g).bfloat16()
