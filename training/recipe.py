@@ -105,7 +105,9 @@ FULL = Recipe(
     qat_steps=300, qat_minutes=0.75, qat_lr=3e-4,
     drafter=dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768,
                  block_size=8, target_layer_ids=[1, 2, 3, 4], rms_norm_eps=1e-5),
-    prompt_len=64, continuation_len=192, continuations=2048, greedy_fraction=0.5, generate_batch=256,
+    # 64 + 448 = the target's 512-token training window: run 174's drafter (64 + 192) followed the
+    # target to ~300 tokens of context and fell to 1.3-2.3 accepted tokens a step beyond (diagnose)
+    prompt_len=64, continuation_len=448, continuations=2048, greedy_fraction=0.5, generate_batch=256,
     drafter_batch=64, anchors=32, drafter_steps=1500, drafter_minutes=1.5, drafter_lr=2e-3, loss_decay_gamma=4.0,
     eval_tokens=None, eval_batch=32, eval_continuations=64, check_prompts=8, check_new_tokens=256, check_budget=16,
 )

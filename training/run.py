@@ -29,10 +29,10 @@ replace these lines with the first run's measured phase times, which metrics.jso
   planned steps (82 M tokens, ~10 passes over the training split) take ~2.5-4.2 min; the
   schedule stops at 4.5 min whatever the speed.
 - QAT: 300 such steps, ~0.3-0.5 min (cap 0.75 min).
-- continuations: 2,048 prompts x 192 new tokens in generate's CUDA graphs, 256 requests a call,
-  no inductor compile: ~0.3 min with the taps' prefill.
-- drafter: 1,500 steps of 64 sequences x 32 blocks of 8 over a 256-token context, assumed
-  ~40 ms a step: ~1 min (cap 1.5 min).
+- continuations: 2,048 prompts x 448 new tokens in generate's CUDA graphs, 256 requests a call,
+  no inductor compile (run 174: 3.2 s for 192 new tokens): ~0.2 min with the taps' prefill.
+- drafter: 1,500 steps of 64 sequences x 32 blocks of 8 over a 512-token context (run 174: 34.6 s
+  over 256-token contexts): ~1-1.5 min (cap 1.5 min).
 - held-out evaluation (~0.3 M tokens through three models, 64 continuations, the 8 x 256-token
   DDTree check): ~0.5 min.
 Total ~6-8 min, within the 10-minute budget with the caps as the backstop.
