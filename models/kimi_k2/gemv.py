@@ -31,7 +31,7 @@ def products_as_matvec(form, weight: torch.Tensor) -> bool:
 def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
     """``module(x)``; with ``form`` True / "matvec" the same product as an fp32 multiply + sum (one
     fused reduction kernel under inductor), rounded to x's dtype like the GEMM; with "rows" through
-    ``kdtree::gemm_rows`` (the weight streamed once; a tree pass's 5-32 rows)."""
+    ``kdtree::gemm_rows`` (the weight streamed once; the plan asks for it at ``gemm_rows_pays``' rows)."""
     if products_as_matvec(form, module.weight):
         y = matvec(x, module.weight)
         if module.bias is not None:

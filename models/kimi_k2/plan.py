@@ -35,7 +35,7 @@ Field values:
   ``torch`` or ``none``.
 - ``matvec``: decode-sized compiled CUDA passes write the small projections as multiply + sum
   (one inductor reduction kernel each, :mod:`.gemv`).
-- ``gemm_rows``: tree-sized bf16 passes (GEMM_ROWS_MIN ... GEMM_ROWS_MAX rows) run their linear
+- ``gemm_rows``: tree-sized bf16 passes (``gemm_rows_pays``: 5-16 rows) run their linear
   layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
   cuBLAS GEMM of 5-17 rows read it at 0.3-0.5 of the bandwidth inside a step (bench/RESULTS.md run 178).
 """
@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from torch_kdtree.ops.gemm_rows import PAYS_ROWS as GEMM_ROWS_PAY
+from torch_kdtree.ops.gemm_rows import gemm_rows_pays
 from torch_kdtree.ops.gemv import MAX_K as GEMV_MAX_K
 from torch_kdtree.ops.moe import int4_decode_path_fits
 from torch_kdtree.ops.moe_gemv import MAX_TOPK as MOE_GEMV_MAX_K
@@ -58,13 +58,9 @@ from torch_kdtree.ops.moe_route import MAX_EXPERTS as ROUTE_MAX_E, MAX_GROUPS as
 FUSED_ROWS = 4
 # Compiled CUDA passes of at most this many rows write linears as multiply + sum (gemv.py).
 GEMV_ROWS = 4
-# kdtree::gemm_rows takes the linear layers of bf16 passes of this many rows (a tree verify of
-# B = 4 ... 15 for one request); fewer rows keep the decode forms, more a GEMM.  The op takes up to
-# 32 rows, but its two-tile form (17-32) was slower than cuBLAS on the H100 with the weights in L2
-# (run 181: o_proj 0.70x / 0.51x at 17 / 32 rows; one tile 0.92-1.52x) and is not measured from HBM
-# yet: torch_kdtree.ops.gemm_rows.PAYS_ROWS.
-GEMM_ROWS_MIN, GEMM_ROWS_MAX = GEMM_ROWS_PAY
-assert GEMM_ROWS_MIN > GEMV_ROWS
+# kdtree::gemm_rows takes the linear layers of bf16 passes of gemm_rows_pays' row counts (5-16: a tree
+# verify of B = 4 ... 15 for one request; torch_kdtree.ops.gemm_rows.PAYS_ROWS says why not 17-32);
+# fewer rows keep the decode forms, more a GEMM.
 # mla_prepare replaces the torch RoPE / norm / cache write / W_UK forms up to this many tokens, and
 # mla_tree_attention_output the separate W_UV product up to this many (bench/RESULTS.md runs 49-58).
 PREPARE_ROWS = 4
@@ -385,8 +381,7 @@ class _Planner:
     def layer(self, layer) -> LayerPlan:
         attention, qkv = self.attention(layer)
         matvec = self.t.compiled and self.t.gpu_forms and self.rows <= GEMV_ROWS
-        rows_gemm = (not matvec and self.bf16 and GEMM_ROWS_MIN <= self.rows <= GEMM_ROWS_MAX
-                     and self.t.has("gemm_rows"))
+        rows_gemm = not matvec and self.bf16 and gemm_rows_pays(self.rows) and self.t.has("gemm_rows")
         if hasattr(layer.mlp, "experts"):
             return LayerPlan(attention, qkv, matvec=matvec, rows_gemm=rows_gemm, reduce=self.reduce,
                              **self.moe(layer, matvec))
