@@ -84,10 +84,14 @@ def test_nccl_world_of_one_keeps_the_collectives_in_the_captured_steps_and_the_t
         assert str(ar_session.plan).replace(" all_reduce", "") == str(base_session.plan), \
             f"TP plan:\n{ar_session.plan}\nsingle-device plan:\n{base_session.plan}"
 
-        # the output bit for bit: prefill logits, and the greedy AR tokens of the captured steps
+        # the output bit for bit: prefill logits (right-padded rows with their lengths: the forward's
+        # form for a batch of prompts), and the greedy AR tokens of the captured steps
+        rids, rmask = prompts(3, SEED, left=False)
+        rids, lengths = rids.cuda(), rmask.sum(1).cuda()
         with torch.no_grad():
-            tp_logits = target(ids, attention_mask=mask).logits
-            base_logits = base(ids, attention_mask=mask).logits
+            keep = rmask.cuda().bool()  # the rows' own positions (the padding's logits are not defined)
+            tp_logits = target(rids, input_lengths=lengths).logits[keep]
+            base_logits = base(rids, input_lengths=lengths).logits[keep]
         assert torch.equal(tp_logits, base_logits), (tp_logits.float() - base_logits.float()).abs().max()
         assert torch.equal(ar, want), (ar, want)
         # DDTree: the sacred rule (ties allowed, then checked on from their other side)
