@@ -730,6 +730,34 @@ def test_live_partitions_fill_the_gpu_and_keep_partitions_long():
     assert live_partitions(1, 8, 100) == 1
 
 
+def test_live_partitions_split_the_live_slots_not_the_capacity():
+    """Each request's live slots spread over the P partitions (a 16k context of a 262k cache keeps
+    all P CTAs busy, not the 2 of static slices): the segments tile [0, used) of their own request
+    in order, none longer than ceil(used / P) rounded up to 16, none past used."""
+    from torch_kdtree.models.dflash.modeling import live_slots_attention, segments_reference
+
+    r, t, heads, d, slots, parts = 3, 2, 2, 8, 4096, 8
+    seen = {}
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, used, scale):
+        seen.update(cu_k=cu_k.tolist(), used=used.tolist(), max_k=max_k)
+        return segments_reference(q, k, v, cu_q, cu_k, max_q, max_k, used, scale)
+
+    used = torch.tensor([1000, 1, slots])
+    q = torch.randn(r, t, heads, d)
+    cache = torch.randn(r, slots, 1, d)
+    live_slots_attention(q, cache, cache, used, 0.5, partitions=parts, segments=spy)
+    assert len(seen["cu_k"]) == r * parts + 1 and seen["cu_k"][-1] == r * slots
+    for i, n in enumerate(used.tolist()):
+        chunk = (-(-n // parts) + 15) // 16 * 16
+        lens = seen["used"][i * parts:(i + 1) * parts]
+        starts = [s - i * slots for s in seen["cu_k"][i * parts:(i + 1) * parts]]
+        assert sum(lens) == n and max(lens) == min(chunk, n) <= seen["max_k"]
+        assert starts == [min(p * chunk, n) for p in range(parts)]
+    assert seen["used"][:parts] == [128] * 7 + [104]   # 1,000 live slots: eight CTAs' worth of work
+    assert seen["max_k"] == 512                        # the whole cache: 4,096 / 8
+
+
 def test_drafter_with_live_slot_attention_equals_the_masked_form(fresh_seed):
     """The drafter's two attention forms (live_attention True / False) draft the same logits,
     batched requests of different context lengths, a capacity of several partitions."""

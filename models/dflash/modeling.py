@@ -69,11 +69,12 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 # layer whatever the context (run 180, H200: a k2_slice DDTree step with a 262k-token cache
 # took 6.8 ms at a 1k context against 1.2 ms with a 2k-token cache).  On CUDA the block's
 # queries instead attend through flash attention's variable-length form, whose ``seqused_k``
-# (read on the device) stops each key segment at the request's live length: the capacity is
-# cut into P static partitions per request (segments of the packed [R * S] key rows), empty
-# partitions cost a CTA that exits at once, and the partitions' outputs are merged by their
-# log-sum-exp in float32 (flash decoding).  P grows with the capacity and shrinks with the
-# requests x heads that already fill the GPU.
+# (read on the device) stops each key segment at the request's live length: each request's live
+# slots are cut into P partitions (segments of the packed [R * S] key rows whose starts and
+# lengths are device values), and the partitions' outputs are merged by their log-sum-exp in
+# float32 (flash decoding).  P grows with the capacity and shrinks with the requests x heads that
+# already fill the GPU.  (Static partitions of the capacity left a 16k context to 2 of 32
+# partitions, 16 CTAs walking 8,192 keys each: 785 us against 457 at 1k, run 182.)
 _PART_MIN_SLOTS = 512
 _PART_TARGET_CTAS = 256
 
@@ -168,31 +169,34 @@ def live_slots_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     """Attention of q [R, t, H, D] over slots [0, used[r]) of cache_k / cache_v [R, S, Hkv, D]
     (non-causal; used int [R], 1 <= used <= S, read on the device only) -> [R, t, H, D].
 
-    The S slots of a request form P static partitions; each (request, partition) is one
-    variable-length segment whose used length is clamped to the live slots it holds, so a
-    partition past the context reads nothing.  ``segments`` computes the segments (default:
-    flash attention on CUDA, :func:`segments_reference` elsewhere, which reads the lengths on
-    the host); the partitions merge by their log-sum-exp in float32."""
+    Request r's live slots [0, used[r]) are cut into P partitions of c_r = used[r] / P slots
+    (rounded up to 16); each (request, partition) is one variable-length segment whose start and
+    used length are computed on the device, so every context spreads its keys over the same P
+    CTAs per head (a partition left empty by the rounding costs a CTA that exits at once).
+    ``segments`` computes the segments (default: flash attention on CUDA,
+    :func:`segments_reference` elsewhere, which reads the lengths on the host); the partitions
+    merge by their log-sum-exp in float32."""
     r, t, heads, d = q.shape
     slots, kv_heads = cache_k.shape[1], cache_k.shape[2]
-    parts = partitions or live_partitions(r, heads, slots)
-    chunk = -(-slots // parts)
-    chunk = -(-chunk // 16) * 16
-    parts = -(-slots // chunk)
+    parts = max(1, min(partitions or live_partitions(r, heads, slots), -(-slots // 16)))
     dev = q.device
-    starts = torch.arange(parts, device=dev) * chunk
-    length = (slots - starts).clamp(max=chunk)                                              # [P]
-    # segment i = (request i // P, partition i % P) starts at its request's row + the partition's
-    # start; i = R * P gives R * S, the end (built from aranges: no host-to-device copy, so a CUDA
-    # graph can capture it)
-    seg = torch.arange(r * parts + 1, device=dev)
-    cu_k = ((seg // parts) * slots + (seg % parts) * chunk).to(torch.int32)
-    seg_used = (used.to(torch.int64).unsqueeze(1) - starts).clamp(min=0).minimum(length)  # [R, P]
+    u = used.to(torch.int64).unsqueeze(1)                                                  # [R, 1]
+    chunk = (u + parts - 1) // parts
+    chunk = (chunk + 15) // 16 * 16                                                        # [R, 1]
+    p0 = torch.arange(parts, device=dev) * chunk                                           # [R, P]
+    seg_used = (u - p0).clamp(min=0).minimum(chunk)
+    # segment i = (request i // P, partition i % P) starts at its request's row + min(p c_r, used):
+    # starts move with the context, so they are device values like the lengths (aranges and
+    # arithmetic only: no host-to-device copy, so a CUDA graph can capture it).  The trailing
+    # entry, R * S, ends the packed rows; with seqused_k flash reads start + used only.
+    starts = (torch.arange(r, device=dev).unsqueeze(1) * slots + p0.minimum(u)).flatten()
+    cu_k = torch.cat([starts, starts.new_full((1,), r * slots)]).to(torch.int32)
     cu_q = (torch.arange(r * parts + 1, device=dev) * t).to(torch.int32)
+    max_k = (-(-slots // parts) + 15) // 16 * 16                                             # the largest c_r
     qq = q.unsqueeze(1).expand(r, parts, t, heads, d).reshape(r * parts * t, heads, d)
     fn = segments or (_flash_segments if q.is_cuda else segments_reference)
     out, lse = fn(qq, cache_k.reshape(r * slots, kv_heads, d), cache_v.reshape(r * slots, kv_heads, d),
-                  cu_q, cu_k, t, chunk, seg_used.flatten().to(torch.int32), scale)
+                  cu_q, cu_k, t, max_k, seg_used.flatten().to(torch.int32), scale)
     if parts == 1:
         return out.view(r, t, heads, d)
     live = (seg_used > 0).view(r, parts, 1, 1)
