@@ -32,7 +32,7 @@ say which form ran).  Attention's share: one layer's attention timed alone at th
 and their scales, as the plans' ``tree_op`` reads them) x layers / the step.
 
 Memory (bench/long_context.py: memory, printed by the run): k2_slice's latent cache is 4,608 B per
-token in bf16 (4 layers x 576 x 2) and 2,320 B in fp8 (4 x 580): 1.31 GB and 0.61 GB for the two
+token in bf16 (4 layers x 576 x 2) and 2,576 B in fp8 (4 x 644): 1.31 GB and 0.68 GB for the two
 sessions (bf16: 284k tokens, with the drift's 20k new tokens; fp8: 262k); weights 4.5 GB (the random
 target builds its bf16 experts first: 12.7 GB, then INT4); the prefill's K/V over 256k keys 1.9 GB
 and a chunk's activations and latent rows ~1.3 GB; the drafters' context K/V 0.15 GB per session.
@@ -182,7 +182,7 @@ def attention_ms(s: GenerationSession, nodes: int) -> float:
     heads = attn.kv_b_proj.weight.shape[0] // (attn.qk_nope_head_dim + attn.v_head_dim)
     g = torch.Generator(device=DEVICE).manual_seed(5)
     visible = torch.ones(nodes, nodes, dtype=torch.bool, device=DEVICE).tril()[None].contiguous()
-    q = (torch.randn(1, nodes, heads, cache.kv.shape[-1], device=DEVICE, generator=g) * 0.1).to(
+    q = (torch.randn(1, nodes, heads, cache.entry_dim, device=DEVICE, generator=g) * 0.1).to(
         cache.dtype if cache.quantized else cache.kv.dtype)
     kv_scale = cache.kv_scale[0] if cache.quantized else None
     fn = lambda: mla_tree_attention(q, cache.layer(0), cache.block_table, cache.lengths, visible,  # noqa: E731

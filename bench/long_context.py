@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple, Sequence
 
-from torch_kdtree.plan.memory import KV_DTYPE_BYTES, KV_SCALE_BYTES, cache_tokens_per_request
+from torch_kdtree.plan.memory import KV_DTYPE_BYTES, KV_ROPE_BYTES, KV_SCALE_BYTES, cache_tokens_per_request
 
 KI = 1024
 # K2's window: 262,144 positions (max_position_embeddings); "256k" is that many tokens.
@@ -81,9 +81,11 @@ def prompt_length(context: int) -> int:
 
 def cache_bytes_per_token(config: dict, kv_cache_dtype: str) -> int:
     """Bytes one token takes in the latent cache over all layers (KimiK2Cache.bytes_per_token):
-    bf16 rows of kv_lora_rank + qk_rope_head_dim; fp8 one byte per entry + a 4-byte scale."""
-    D = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    return config["num_hidden_layers"] * (D * KV_DTYPE_BYTES[kv_cache_dtype] + KV_SCALE_BYTES[kv_cache_dtype])
+    bf16 rows of kv_lora_rank + qk_rope_head_dim; fp8 one byte per latent value, the rope part in
+    bf16, and a 4-byte scale."""
+    latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    per_layer = latent * KV_DTYPE_BYTES[kv_cache_dtype] + rope * KV_ROPE_BYTES + KV_SCALE_BYTES[kv_cache_dtype]
+    return config["num_hidden_layers"] * per_layer
 
 
 def session_capacity(max_prompt: int, max_new: int, block_size: int, budget: int) -> int:

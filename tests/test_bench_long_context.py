@@ -34,11 +34,11 @@ def test_contexts_and_options_parse_and_refuse_by_name():
 
 
 def test_cache_bytes_are_the_caches_bytes_per_token():
-    """k2_slice: 4 layers x 576 x 2 = 4,608 B per token in bf16, 4 x 580 = 2,320 B in fp8, as
+    """k2_slice: 4 layers x 576 x 2 = 4,608 B per token in bf16, 4 x 644 = 2,576 B in fp8, as
     KimiK2Cache counts them; a session's capacity as GenerationSession allocates it."""
     d = config_dict("k2_slice")
     config = KimiK2Config.from_dict(d)
-    assert cache_bytes_per_token(d, "bf16") == 4608 and cache_bytes_per_token(d, "fp8") == 2320
+    assert cache_bytes_per_token(d, "bf16") == 4608 and cache_bytes_per_token(d, "fp8") == 2576
     for kv, name in (("bf16", "bfloat16"), ("fp8", "fp8")):
         cache = KimiK2Cache.for_model(config, 1, 64, dtype=torch.bfloat16, kv_cache_dtype=name)
         assert cache.bytes_per_token == cache_bytes_per_token(d, kv)
@@ -71,8 +71,8 @@ def test_a_full_run_fits_one_h200_and_one_device_call():
     max_prompt = prompt_length(max(CONTEXTS))
     caps = {"bf16": session_capacity(max_prompt, 20000 + 2048, 8, 16), "fp8": session_capacity(max_prompt, 1024, 8, 16)}
     mem = memory(d, int4_experts=True, max_context=max_prompt, capacities=caps, drafter_kv_per_token=1 * 1 * 128 * 4)
-    assert mem.caches == {"bf16": 4608 * caps["bf16"], "fp8": 2320 * caps["fp8"]}
-    assert 1.2e9 < mem.caches["bf16"] < 1.4e9 and 0.55e9 < mem.caches["fp8"] < 0.65e9
+    assert mem.caches == {"bf16": 4608 * caps["bf16"], "fp8": 2576 * caps["fp8"]}
+    assert 1.2e9 < mem.caches["bf16"] < 1.4e9 and 0.62e9 < mem.caches["fp8"] < 0.72e9
     assert mem.prefill_kv == max_prompt * 7168
     assert 4e9 < mem.weights < 5e9 and mem.peak < 0.2 * H200_BYTES
     est = wall_seconds(d, CONTEXTS, CACHE_DTYPES, drift_tokens=20000, drift_prompt=16 * 1024)

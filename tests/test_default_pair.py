@@ -58,9 +58,11 @@ def test_default_pair_fp8_cache_keeps_the_bf16_caches_top1_over_2000_greedy_toke
     """Issue 50's accuracy check on the shipped pair (fp32 model, CPU): 4 held-out prompts x 500
     greedy tokens decoded over a bf16 latent cache, the same tokens fed through an fp8 cache: the
     top-1 agrees wherever the decision is not a near-tie (the bf16 run's top-2 gap >= 2^-4 of the
-    position's largest |logit|: e4m3 rounds each cached value by up to 2^-4 of itself).  Measured
-    2026-12-05: 98.70 % of all 2,000 positions (39 % are near-ties: greedy code loops), every
-    decided one; relative logit error max|d logit| / max|logit| median 0.012, p99 0.086, max 0.20."""
+    position's largest |logit|: e4m3 rounds each cached latent value by up to 2^-4 of itself), and
+    at >= 99 % of all positions (issue 50's line).  Measured 2026-12-05 with the rope part in bf16:
+    99.55 % of all 2,000 positions (39 % are near-ties: greedy code loops), every decided one;
+    relative logit error max|d logit| / max|logit| median 0.0046, p99 0.068, max 0.14 (all 576 values
+    in e4m3: 98.70 %, median 0.012, max 0.20)."""
     from test_kv_cache_fp8 import E4M3_HALF_STEP, _greedy_decode
 
     with one_thread():
@@ -78,7 +80,7 @@ def test_default_pair_fp8_cache_keeps_the_bf16_caches_top1_over_2000_greedy_toke
           f"median {error.median().item():.4f}, p99 {error.quantile(0.99).item():.4f}, max {error.max().item():.4f}")
     assert agree.numel() == 2000 and decided.float().mean() >= 0.4
     assert agree[decided].float().mean() >= 0.99
-    assert agree.float().mean() >= 0.97
+    assert agree.float().mean() >= 0.99
 
 
 @requires_cuda_kernel("kdtree::mla_tree_attention")

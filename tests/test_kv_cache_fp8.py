@@ -1,5 +1,5 @@
-"""The fp8 latent cache (``kv_cache_dtype="fp8"``): e4m3 rows with one fp32 power-of-two scale per
-(layer, token), written quantised, read dequantised, moved with their scales by ``kv_commit``; the
+"""The fp8 latent cache (``kv_cache_dtype="fp8"``): rows of an e4m3 latent with one fp32 power-of-two
+scale per (layer, token) and a bf16 rope part, written quantised, read dequantised, moved with their scales by ``kv_commit``; the
 decode plan runs mla_tree_attention over it (tree_op: the op reads the rows and their scales) where
 the kernel is, torch ops elsewhere; greedy DDTree equals greedy autoregressive decoding over the same
 fp8 cache in both forms; and the fp8 cache keeps the fp32 cache's top-1 over a long generation.
@@ -57,17 +57,19 @@ def shuffled_cache(R: int, max_tokens: int, *, layers: int = 2, D: int = 576, pa
 
 def test_fp8_rows_round_trip_within_half_an_e4m3_step():
     """Rows of many magnitudes (a row of zeros, rows spanning 2^20 of range, huge and tiny rows)
-    written through the cache at shuffled pages and read back: every element within half an e4m3
-    step of itself (2^-4 relative for normal values, 2^-10 scales for subnormal ones); the scale a
-    power of two with the row's max |value| in [224, 448) of it; the dequantised values exact in bf16."""
+    written through the cache at shuffled pages and read back: every latent element within half an
+    e4m3 step of itself (2^-4 relative for normal values, 2^-10 scales for subnormal ones), every rope
+    element its bf16 rounding exactly; the scale a power of two with the latent's max |value| in
+    [224, 448) of it; the dequantised values exact in bf16."""
     g = torch.Generator().manual_seed(1)
-    R, T, D = 2, 11, 576
+    R, T, D, L = 2, 11, 576, 512
     rows = torch.randn(R, T, D, generator=g)
     rows[0, 0] = 0
     rows[0, 1] *= 1e4
     rows[0, 2] *= 1e-6
     rows[1, 0] *= torch.exp2(torch.randint(-10, 10, (D,), generator=g).float())  # 2^20 of range in a row
-    rows[1, 1, :512] *= 1e-3  # a latent much smaller than its rope part
+    rows[1, 1, :L] *= 1e-3  # a latent much smaller than its rope part
+    rows[1, 2, L:] *= 1e5   # a rope part much larger than its latent
     cache = shuffled_cache(R, 16)
     slots = cache.slots(T)
     for layer in range(2):
@@ -79,28 +81,50 @@ def test_fp8_rows_round_trip_within_half_an_e4m3_step():
         assert got.dtype == torch.float32 and got.shape == (R, T, D)
         scale = cache.kv_scale[layer].view(-1)[slots.view(-1)].view(R, T)
         assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
-        ratio = x.abs().amax(-1) / scale
-        nonzero = x.abs().amax(-1) > 0
+        ratio = x[..., :L].abs().amax(-1) / scale
+        nonzero = x[..., :L].abs().amax(-1) > 0
         assert bool(((ratio[nonzero] >= 224) & (ratio[nonzero] < 448)).all())
-        bound = torch.maximum(E4M3_HALF_STEP * x.abs(), E4M3_SUBNORMAL_HALF * scale[..., None])
-        assert bool(((got - x).abs() <= bound).all()), float(((got - x).abs() / bound).max())
+        assert torch.equal(scale[~nonzero], torch.ones_like(scale[~nonzero]))
+        bound = torch.maximum(E4M3_HALF_STEP * x[..., :L].abs(), E4M3_SUBNORMAL_HALF * scale[..., None])
+        err = (got[..., :L] - x[..., :L]).abs()
+        assert bool((err <= bound).all()), float((err / bound).max())
+        assert torch.equal(got[..., L:], x[..., L:].to(torch.bfloat16).float())  # the rope part: bf16
         assert torch.equal(got[0, 0], torch.zeros(D))
         assert torch.equal(got.to(torch.bfloat16).float(), got)  # exact in bf16: kernels may dequantise there
-        worst = float(((got - x).abs() / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).amax())
-        print(f"layer {layer}: largest |error| / the row's max |value| = {worst:.4f}")
+        worst = float((err / x[..., :L].abs().amax(-1, keepdim=True).clamp_min(1e-30)).amax())
+        print(f"layer {layer}: largest latent |error| / the latent's max |value| = {worst:.4f}")
+
+
+def test_fp8_rows_hold_the_e4m3_latent_then_the_bf16_rope_bytes():
+    """The stored bytes, read independently of the cache's code: a row's first 512 bytes are the
+    latent / scale cast to e4m3, the next 128 the rope's bf16 values in little-endian byte order."""
+    g = torch.Generator().manual_seed(3)
+    cache = shuffled_cache(1, 4, layers=1)
+    x = torch.randn(1, 1, 576, generator=g) * 3
+    slots = cache.slots(1)
+    cache.write(0, slots, x)
+    slot = int(slots[0, 0])
+    raw = cache.kv.view(torch.uint8)[0, slot // cache.page_size, slot % cache.page_size]
+    scale = float(cache.kv_scale[0].view(-1)[slot])
+    assert raw.shape == (640,)
+    assert torch.equal(raw[:512], (x[0, 0, :512] / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    rope = x[0, 0, 512:].to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert torch.equal(raw[512::2].int() | (raw[513::2].int() << 8), rope)
 
 
 def test_fp8_cache_layout_and_bytes_per_token():
-    """kv float8_e4m3fn [layers, pages, page, 576] and kv_scale fp32 [layers, pages, page]: 580 B per
-    token and layer, 35,380 B per token over K2's 61 layers (bf16: 70,272; 1.99x the tokens)."""
+    """kv float8_e4m3fn [layers, pages, page, 640] (512 e4m3 + 64 bf16 values) and kv_scale fp32
+    [layers, pages, page]: 644 B per token and layer, 39,284 B per token over K2's 61 layers (bf16:
+    70,272; 1.79x the tokens)."""
     from torch_kdtree.models.kimi_k2 import KimiK2Config
 
     config = KimiK2Config(num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)
     fp8 = KimiK2Cache.for_model(config, 1, 64, dtype=torch.bfloat16, kv_cache_dtype="fp8")
     bf16 = KimiK2Cache.for_model(config, 1, 64, dtype=torch.bfloat16)
-    assert fp8.kv.dtype == torch.float8_e4m3fn and fp8.kv.shape == (61, 1, 64, 576) and fp8.quantized
+    assert fp8.kv.dtype == torch.float8_e4m3fn and fp8.kv.shape == (61, 1, 64, 640) and fp8.quantized
+    assert fp8.entry_dim == bf16.entry_dim == 576 and fp8.rope_dim == 64
     assert fp8.kv_scale.dtype == torch.float32 and fp8.kv_scale.shape == (61, 1, 64)
-    assert fp8.bytes_per_token == 61 * (576 + 4) == 35_380 and bf16.bytes_per_token == 70_272
+    assert fp8.bytes_per_token == 61 * (512 + 2 * 64 + 4) == 39_284 and bf16.bytes_per_token == 70_272
     assert bf16.kv_scale is None and not bf16.quantized
     assert fp8.kv.element_size() * fp8.kv.shape[-1] % 16 == 0  # rows stay 16-byte aligned for vector loads
     assert KimiK2Cache.for_model(config, 1, 64, kv_cache_dtype=torch.float8_e4m3fn).quantized
@@ -192,8 +216,10 @@ def test_unknown_kv_cache_dtypes_are_refused_by_name():
         model.generate(ids, max_new_tokens=2, kv_cache_dtype=8)
     with pytest.raises(ValueError, match="not a latent cache dtype"):
         KimiK2Cache(1, 1, 4, 576, kv_cache_dtype=torch.int8)
-    with pytest.raises(ValueError, match="even entry_dim"):
+    with pytest.raises(ValueError, match="even latent width"):
         KimiK2Cache(1, 1, 4, 575, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="0 < rope_dim < entry_dim"):
+        KimiK2Cache(1, 1, 4, 64, kv_cache_dtype="fp8", rope_dim=64)
 
 
 def test_casting_an_fp8_cache_keeps_its_rows_and_scales():
@@ -485,10 +511,15 @@ def test_fp8_tree_op_logits_equal_the_torch_forms_to_fp32_rounding(monkeypatch, 
     got = model(tokens, positions, cache, visible, plan=plan).logits
     assert len(calls) == model.config.num_hidden_layers and set(calls) == {(torch.float8_e4m3fn, True)}
     assert torch.equal(cache.kv[0].view(torch.uint8), written[0][0]) and torch.equal(cache.kv_scale[0], written[1][0])
-    a = cache.kv.float() * cache.kv_scale[..., None]
-    b = written[0].view(torch.float8_e4m3fn).float() * written[1][..., None]
-    # one e4m3 step: 2^-3 of the value's binade, at least the smallest subnormal step (2^-9) of its scale
-    step = torch.maximum(2.0 ** (torch.frexp(torch.maximum(a.abs(), b.abs())).exponent - 4).float(),
-                         2.0 ** -9 * torch.minimum(cache.kv_scale, written[1])[..., None])
+    from torch_kdtree.ops.mla import fp8_rows_to_keys
+
+    a, b = fp8_rows_to_keys(cache.kv, cache.kv_scale), fp8_rows_to_keys(written[0], written[1])
+    L = cache.entry_dim - cache.rope_dim
+    # the latent: one e4m3 step, 2^-3 of the value's binade, at least the smallest subnormal step
+    # (2^-9) of its scale; the rope: one bf16 step (2^-7 of the binade)
+    binade = torch.frexp(torch.maximum(a.abs(), b.abs())).exponent.float()
+    step = torch.cat([torch.maximum(2.0 ** (binade[..., :L] - 4),
+                                    2.0 ** -9 * torch.minimum(cache.kv_scale, written[1])[..., None]),
+                      2.0 ** (binade[..., L:] - 8)], dim=-1)
     assert bool(((a - b).abs() <= step).all())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

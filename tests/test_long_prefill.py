@@ -216,10 +216,11 @@ def test_fp8_rows_of_a_chunked_prefill_dequantise_like_the_one_pass_rows():
     slots = one.slots(33)
     for cache in (one, chunked):
         assert torch.equal(cache.slots(33), slots)
-    codes = [c.kv[0].view(-1, 576)[slots[0]].view(torch.uint8) for c in (one, chunked)]
+    row = one.kv.shape[-1]  # 640 bytes: the e4m3 latent, then the bf16 rope
+    codes = [c.kv[0].view(-1, row)[slots[0]].view(torch.uint8) for c in (one, chunked)]
     scales = [c.kv_scale[0].view(-1)[slots[0]] for c in (one, chunked)]
     assert torch.equal(codes[0], codes[1]) and torch.equal(scales[0], scales[1])
-    rows = fp8_dequantize(chunked.kv[0].view(-1, 576)[slots[0]], scales[1], torch.float32)
+    rows = fp8_dequantize(chunked.kv[0].view(-1, row)[slots[0]], scales[1], torch.float32, chunked.rope_dim)
     assert torch.equal(rows, one.read(0, 33)[0])
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .conftest import requires_cuda
 from torch_kdtree.models.kimi_k2.cache import fp8_quantize
+from torch_kdtree.ops.mla import fp8_rows_to_keys
 from torch_kdtree.ops import ddtree_build, mla_tree_attention
 
 D, DV = 576, 512
@@ -69,9 +70,10 @@ def make_fp8_case(R, N, H, page_size, lens, gen, q_dtype=torch.bfloat16, device=
     2^-21 of the row's max (subnormal e4m3 codes and zeros).  Slots past a length stay NaN (codes
     0x7f, scale NaN): they must never be read.
 
-    Returns (q in q_dtype, kv_cache e4m3 [num_pages, page_size, 576], kv_scale fp32 [num_pages,
-    page_size], block_table, cache_lens, visible, logical) with logical[r] request r's dequantised
-    sequence (fp32, exact) in position order."""
+    Returns (q in q_dtype, kv_cache float8_e4m3fn [num_pages, page_size, 640] (512 e4m3 latent
+    values, then 64 bf16 rope values as 128 bytes), kv_scale fp32 [num_pages, page_size],
+    block_table, cache_lens, visible, logical) with logical[r] request r's dequantised sequence
+    (fp32, exact: e4m3 latent times its scale, bf16 rope) in position order."""
     q, kv, bt, cl, vis, _ = make_case(R, N, H, page_size, lens, gen, dtype=torch.float32, visible=visible)
     rows = kv.view(-1, D).clone()
     used = torch.isfinite(rows).all(-1)
@@ -79,11 +81,12 @@ def make_fp8_case(R, N, H, page_size, lens, gen, q_dtype=torch.bfloat16, device=
     tiny = torch.exp2(-torch.tensor([15.0, 16.0, 17.0, 18.0, 21.0]))
     signs = torch.randint(0, 2, (rows.shape[0], 5), generator=gen).float() * 2 - 1
     rows[:, :5] = rows.abs().amax(-1, keepdim=True) * tiny * signs
-    values, scale = fp8_quantize(rows)
-    values.view(torch.uint8)[~used] = 0x7F
+    values, scale = fp8_quantize(rows, D - DV)
+    values.view(torch.uint8)[~used, :DV] = 0x7F  # e4m3 NaN
+    values.view(torch.uint8)[~used, DV:] = 0xFF  # bf16 NaN (0xFFFF)
     scale[~used] = float("nan")
-    kv8, scale = values.view(kv.shape), scale.view(kv.shape[:2]).contiguous()
-    deq = kv8.float() * scale[..., None]
+    kv8, scale = values.view(*kv.shape[:2], -1), scale.view(kv.shape[:2]).contiguous()
+    deq = fp8_rows_to_keys(kv8, scale)
     logical = []
     for r, L in enumerate(lens):
         pos = torch.arange(L + N)
@@ -93,8 +96,9 @@ def make_fp8_case(R, N, H, page_size, lens, gen, q_dtype=torch.bfloat16, device=
 
 
 def dequantized(kv8, scale, dtype):
-    """The whole fp8 cache as dtype rows (exact in bf16 and fp32: 4 significant bits times 2^k)."""
-    return (kv8.float() * scale[..., None]).to(dtype)
+    """The whole fp8 cache as dtype rows [..., 576] (exact in bf16 and fp32: 4 significant bits times
+    2^k, and bf16 rope values)."""
+    return fp8_rows_to_keys(kv8, scale).to(dtype)
 
 
 def oracle(q, visible, logical, lens, scale):
@@ -311,9 +315,13 @@ def _bad_fp8_case():
     (lambda a: a.update(kv_cache=a["kv_cache"].view(torch.uint8).view(torch.float8_e5m2)), TypeError,
      "kv_cache must be .*float8_e4m3fn, got torch.float8_e5m2"),
     (lambda a: a.update(q=a["q"].half()), TypeError, "q must be"),
-    (lambda a: a.update(kv_cache=a["kv_cache"].float() * a["kv_scale"][..., None]), TypeError, "must equal q dtype"),
-    (lambda a: a.update(kv_cache=(a["kv_cache"].float() * a["kv_scale"][..., None]).to(torch.bfloat16)), ValueError,
+    (lambda a: a.update(kv_cache=dequantized(a["kv_cache"], a["kv_scale"], torch.float32)), TypeError,
+     "must equal q dtype"),
+    (lambda a: a.update(kv_cache=dequantized(a["kv_cache"], a["kv_scale"], torch.bfloat16)), ValueError,
      "kv_scale is given but kv_cache is torch.bfloat16: scales belong to a torch.float8_e4m3fn cache"),
+    # the all-e4m3 rows of 576 bytes (session 39's layout) are not this cache's
+    (lambda a: a.update(kv_cache=a["kv_cache"][..., :576].contiguous()), ValueError,
+     r"a torch.float8_e4m3fn kv_cache must be \[num_pages, page_size, 640\] \(512 e4m3 latent values, then 64 bf16"),
 ])
 def test_fp8_bad_inputs_raise_clear_errors(mutate, err, match):
     args = _bad_fp8_case()
@@ -601,8 +609,9 @@ def _fp8_kernel_vs_reference(q, kv8, scale, bt, cl, vis):
 @pytest.mark.parametrize("H", [8, 16, 64])
 @pytest.mark.parametrize("N", [1, 5, 17, 65])
 def test_cuda_fp8_kernel_matches_reference(fresh_seed, N, H, page_size, lens):
-    """N·H from 8 rows (the 16-row tile, decode) to 4160 (the 64-row tile), fresh random rows whose
-    scales span many powers of two, with subnormal e4m3 codes and zeros."""
+    """N·H from 8 rows (decode) to 4160 (verify-sized: an fp8 cache is read through the 16-row tile
+    at every size), fresh random rows whose scales span many powers of two, with subnormal e4m3
+    codes and zeros, and bf16 rope values."""
     _fp8_kernel_vs_reference(*_cuda_fp8_case(2, N, H, page_size, lens, fresh_seed)[:6])
 
 
@@ -628,6 +637,8 @@ def test_cuda_fp8_bad_inputs_raise_clear_errors():
         op(q, kv8.view(torch.uint8).view(torch.float8_e5m2), bt, cl, vis, SCALE, False, scale)
     with pytest.raises(RuntimeError, match="q must be BFloat16"):
         op(q.float(), kv8, bt, cl, vis, SCALE, False, scale)
+    with pytest.raises(RuntimeError, match=r"an fp8 kv_cache must be \[num_pages, page_size, 640\]"):
+        op(q, kv8[..., :576].contiguous(), bt, cl, vis, SCALE, False, scale)
     with pytest.raises(RuntimeError, match="kv_scale must be a CUDA tensor"):
         op(q, kv8, bt, cl, vis, SCALE, False, scale.cpu())
     w = torch.zeros(8 * (128 + 128), DV, device="cuda", dtype=torch.bfloat16)

@@ -36,8 +36,8 @@ def test_k26_kv_bytes_per_token_bf16_and_fp8():
     # layout) adds one fp32 scale per token and layer.
     assert kv_bytes_per_token_per_layer(t, "bf16") == 576 * 2 == 1152
     assert kv_bytes_per_token(t, "bf16") == 61 * 1152 == 70_272
-    assert kv_bytes_per_token_per_layer(t, "fp8") == 576 + 4 == 580
-    assert kv_bytes_per_token(t, "fp8") == 61 * 580 == 35_380
+    assert kv_bytes_per_token_per_layer(t, "fp8") == 512 + 2 * 64 + 4 == 644  # e4m3 latent, bf16 rope, scale
+    assert kv_bytes_per_token(t, "fp8") == 61 * 644 == 39_284
 
 
 def test_k26_weights_per_gpu_at_tp8_equal_a_hand_count():

@@ -19,7 +19,7 @@ def call(R, N, H, page_size, lens, prefix_ready=False, fp8=False):
     kv_scale = None
     if fp8:  # the cache's quantiser: power-of-two scales, of many sizes here
         rows = kv.float() * torch.exp2(torch.randint(-8, 4, kv.shape[:2] + (1,), device="cuda", generator=g).float())
-        kv, kv_scale = fp8_quantize(rows)
+        kv, kv_scale = fp8_quantize(rows, 64)  # 640-byte rows: e4m3 latent, bf16 rope
     bt = torch.randperm(R * pages_per_req, device="cuda", generator=g).to(torch.int32).view(R, pages_per_req)
     q = torch.randn(R, N, H, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     if N > 1:

@@ -6,17 +6,21 @@ One tensor ``kv`` [num_layers, num_pages, page_size, D] with D = kv_lora_rank + 
 ``block_table`` int32 [R, max_pages] maps each request's logical pages to physical pages and
 ``lengths`` int32 [R] (on the device) is each request's committed prefix length.
 
-``kv_cache_dtype="fp8"`` stores the rows as float8_e4m3fn with one fp32 scale per (layer, token),
-``kv_scale`` [num_layers, num_pages, page_size]: entry = value * scale, 576 + 4 bytes per token and
-layer for K2 (1.99x the tokens of bf16 per byte).  The scale is the power of two at or above the
-row's max |value| / 448 (e4m3's largest finite value): e4m3 keeps 3 mantissa bits over ~2^14 of
-range below the max, so one scale serves the latent and rope parts alike, and a power of two makes
-the dequantised values exact in bf16 (an attention kernel may dequantise into its bf16 operands
-without rounding).  The rows stay 576 bytes, 16-byte aligned, and the scales a tensor of their own,
-so ``kv_commit`` moves both as they are (:meth:`KimiK2Cache.commit`).  Writes quantise, reads
-dequantise to the compute ``dtype``; ``kdtree::mla_tree_attention`` reads the rows as stored, with
-``kv_scale[layer]`` (the decode plan's ``tree_op`` form), the other MLA kernels bf16 rows only.  Moving an fp8 cache (``.to(device)``, ``.cuda()``) moves its rows and
-scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's cast) keeps the e4m3 rows and
+``kv_cache_dtype="fp8"`` stores each row as its latent part in float8_e4m3fn with one fp32 scale per
+(layer, token), ``kv_scale`` [num_layers, num_pages, page_size] (latent = value * scale), followed by
+its rope part in bf16 -- the 64 values as 128 bytes of the same float8 tensor: 512 + 128 bytes of row
+and 4 of scale, 644 B per token and layer for K2 (1.79x the tokens of bf16 per byte).  The scale is
+the power of two at or above the latent's max |value| / 448 (e4m3's largest finite value), so the
+dequantised values are exact in bf16 (an attention kernel may dequantise into its bf16 operands
+without rounding).  The rope part stays bf16 because e4m3's 3 mantissa bits move each value by up to
+2^-4 of itself whatever the scale, and the rope dims carry the position: with all 576 values in e4m3
+(580 B) the shipped pair's greedy tokens agreed with a bf16 cache's at 98.70 % of 2,000 positions,
+with the rope in bf16 at 99.55 % (bench/RESULTS.md, session 40).  The rows stay 16-byte aligned (640
+B), the scales a tensor of their own, so ``kv_commit`` moves both as they are
+(:meth:`KimiK2Cache.commit`).  Writes quantise, reads dequantise to the compute ``dtype``;
+``kdtree::mla_tree_attention`` reads the rows as stored, with ``kv_scale[layer]``
+(the decode plan's ``tree_op`` form), the other MLA kernels bf16 rows only.  Moving an fp8 cache
+(``.to(device)``, ``.cuda()``) moves its rows and scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's cast) keeps the e4m3 rows and
 fp32 scales and changes only the dtype reads dequantise to.  A 16-bit or fp32 cache is cast as any
 module's buffers are, but never to a float8 dtype (that would drop the scales: build the cache with
 ``kv_cache_dtype="fp8"``).  :meth:`KimiK2Cache.check_layout` refuses an fp8 cache without its
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from torch_kdtree.ops import kv_commit
+from torch_kdtree.ops.mla import fp8_rows_to_keys
 from torch_kdtree.ops._checks import value_checks_active
 
 __all__ = ["KimiK2Cache", "CacheOverflowError", "KV_CACHE_DTYPES", "COMPUTE_DTYPES", "resolve_kv_cache_dtype",
@@ -82,19 +87,24 @@ def _cast_of(fn, device: torch.device) -> tuple[torch.dtype | None, torch.device
     return (a.dtype if a.dtype == b.dtype else None), a.device
 
 
-def fp8_quantize(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``entries`` [..., D] as (e4m3 values [..., D], fp32 scales [...]) with entries ~= values * scale;
-    each scale the power of two at or above the row's max |entry| / 448 (1 for a row of zeros)."""
+def fp8_quantize(entries: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``entries`` [..., D] = [latent (D - rope_dim) | rope (rope_dim)] as (fp8 rows [..., D +
+    rope_dim], fp32 scales [...]): each row's latent in e4m3 with latent ~= values * scale, then its
+    rope in bf16 (2 rope_dim bytes of the float8 tensor); each scale the power of two at or above the
+    latent's max |value| / 448 (1 for a latent of zeros)."""
     x = entries.float()
-    amax = x.abs().amax(-1)
+    latent, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    amax = latent.abs().amax(-1)
     scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax / FP8_MAX).exponent)  # 2^e >= amax / 448
-    values = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return values, scale
+    values = (latent / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    rope_bytes = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([values.view(torch.uint8), rope_bytes], dim=-1).view(FP8), scale
 
 
-def fp8_dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values * scale`` in ``dtype`` (exact for bf16 / fp32: 4 significant bits times a power of two)."""
-    return (values.float() * scale[..., None]).to(dtype)
+def fp8_dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rope_dim: int) -> torch.Tensor:
+    """fp8 rows [..., D + rope_dim] (:func:`fp8_quantize`) as [latent * scale | rope] [..., D] in ``dtype``
+    (exact for bf16 / fp32: 4 significant bits times a power of two, and bf16 rope values)."""
+    return fp8_rows_to_keys(rows, scale, rope_dim).to(dtype)
 
 
 class KimiK2Cache(nn.Module):
@@ -108,15 +118,17 @@ class KimiK2Cache(nn.Module):
         page_size: tokens per page.
         dtype, device: the model's compute dtype (the ``kv`` tensor's, unless ``kv_cache_dtype``
             says otherwise; what fp8 reads dequantise to) and the device.
-        kv_cache_dtype: ``"auto"`` (``dtype``), ``"fp8"`` (e4m3 rows + fp32 scales, module
-            docstring), another name of :data:`KV_CACHE_DTYPES` or a torch dtype.
+        kv_cache_dtype: ``"auto"`` (``dtype``), ``"fp8"`` (e4m3 latent + bf16 rope rows and fp32
+            scales, module docstring), another name of :data:`KV_CACHE_DTYPES` or a torch dtype.
+        rope_dim: the rope part's width at the end of each entry (qk_rope_head_dim; 64 for K2),
+            kept in bf16 by an fp8 cache.
     Pages are assigned contiguously (request r owns pages [r * P, (r + 1) * P)); a different
     page assignment can be written into ``block_table`` by the caller.
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_tokens: int, entry_dim: int, *, page_size: int = 64,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 kv_cache_dtype: str | torch.dtype = "auto"):
+                 kv_cache_dtype: str | torch.dtype = "auto", rope_dim: int = 64):
         super().__init__()
         if min(num_layers, batch_size, max_tokens, entry_dim, page_size) < 1:
             raise ValueError("KimiK2Cache: num_layers, batch_size, max_tokens, entry_dim and page_size must be >= 1")
@@ -125,14 +137,17 @@ class KimiK2Cache(nn.Module):
             raise ValueError(f"KimiK2Cache: dtype is the compute dtype reads return, one of "
                              f"{', '.join(str(d) for d in COMPUTE_DTYPES)}; got {dtype}{fp8}")
         storage = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        if storage == FP8 and entry_dim % 2:
-            raise ValueError(f"KimiK2Cache: an fp8 cache needs an even entry_dim (kv_commit moves its rows as "
-                             f"16-bit words), got {entry_dim}")
+        if storage == FP8 and not (0 < rope_dim < entry_dim and (entry_dim - rope_dim) % 2 == 0):
+            raise ValueError(f"KimiK2Cache: an fp8 cache needs 0 < rope_dim < entry_dim and an even latent width "
+                             f"entry_dim - rope_dim (its bf16 rope part starts on a 16-bit word; kv_commit moves "
+                             f"rows as 16-bit words), got entry_dim {entry_dim}, rope_dim {rope_dim}")
         pages_per_request = -(-max_tokens // page_size)
         num_pages = batch_size * pages_per_request
         self.page_size = page_size
         self.dtype = dtype
-        self.register_buffer("kv", torch.zeros(num_layers, num_pages, page_size, entry_dim, dtype=storage,
+        self.rope_dim = rope_dim
+        row = entry_dim + rope_dim if storage == FP8 else entry_dim  # fp8: the rope's bf16 takes 2 bytes a value
+        self.register_buffer("kv", torch.zeros(num_layers, num_pages, page_size, row, dtype=storage,
                                                device=device), persistent=False)
         scale = torch.ones(num_layers, num_pages, page_size, device=device) if storage == FP8 else None
         self.register_buffer("kv_scale", scale, persistent=False)
@@ -148,7 +163,8 @@ class KimiK2Cache(nn.Module):
         """A cache sized for ``config`` (a :class:`KimiK2Config` or a model with ``.config``)."""
         config = getattr(config, "config", config)
         return cls(config.num_hidden_layers, batch_size, max_tokens, config.kv_lora_rank + config.qk_rope_head_dim,
-                   page_size=page_size, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+                   page_size=page_size, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
+                   rope_dim=config.qk_rope_head_dim)
 
     def _mark_static(self) -> None:
         # Static addresses let compiled steps mutate the cache inside CUDA graphs (no re-recording).
@@ -189,8 +205,13 @@ class KimiK2Cache(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the rows are fp8 (e4m3, with per-(layer, token) scales in ``kv_scale``)."""
+        """Whether the rows are fp8 (e4m3 latent with per-(layer, token) scales in ``kv_scale``, bf16 rope)."""
         return self.kv.dtype == FP8
+
+    @property
+    def entry_dim(self) -> int:
+        """D: the values per token and layer that writes take and reads return (576 for K2)."""
+        return self.kv.shape[-1] - (self.rope_dim if self.quantized else 0)
 
     def check_layout(self) -> None:
         """Raise a ValueError naming what is wrong when the tensors do not form a cache any path
@@ -210,6 +231,9 @@ class KimiK2Cache(nn.Module):
                 raise ValueError(f"KimiK2Cache: an fp8 cache needs its scales: kv_scale float32 "
                                  f"{tuple(kv.shape[:3])} (one per layer and token), got None; build it with "
                                  f"kv_cache_dtype=\"fp8\"")
+            if not 0 < 2 * self.rope_dim < kv.shape[-1] or (kv.shape[-1] - 2 * self.rope_dim) % 2:
+                raise ValueError(f"KimiK2Cache: fp8 rows of {kv.shape[-1]} bytes cannot hold an even-width e4m3 "
+                                 f"latent and {self.rope_dim} bf16 rope values")
             if scale.dtype != torch.float32 or scale.shape != kv.shape[:3] or scale.device != kv.device:
                 raise ValueError(f"KimiK2Cache: kv_scale must be float32 {tuple(kv.shape[:3])} on {kv.device} "
                                  f"(one scale per layer and token), got {scale.dtype} {tuple(scale.shape)} on "
@@ -277,9 +301,9 @@ class KimiK2Cache(nn.Module):
         it): inductor then writes in place instead of copying the cache in and out of the compiled step."""
         slots = slots.reshape(-1)
         index = (torch.full_like(slots, layer), slots // self.page_size, slots % self.page_size)
-        entries = entries.reshape(-1, self.kv.shape[-1])
+        entries = entries.reshape(-1, self.entry_dim)
         if self.quantized:
-            values, scale = fp8_quantize(entries)
+            values, scale = fp8_quantize(entries, self.rope_dim)
             self.kv.index_put_(index, values)
             self.kv_scale.index_put_(index, scale)
         else:
@@ -294,7 +318,7 @@ class KimiK2Cache(nn.Module):
         page = self.block_table.long()[:, pages]
         rows = self.kv[layer][page, pos % self.page_size]
         if self.quantized:
-            return fp8_dequantize(rows, self.kv_scale[layer][page, pos % self.page_size], self.dtype)
+            return fp8_dequantize(rows, self.kv_scale[layer][page, pos % self.page_size], self.dtype, self.rope_dim)
         return rows
 
     def commit(self, indices: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -315,7 +339,7 @@ class KimiK2Cache(nn.Module):
         CPU session's tree passes once requests have finished)."""
         view = KimiK2Cache.__new__(KimiK2Cache)
         nn.Module.__init__(view)
-        view.page_size, view.dtype = self.page_size, self.dtype
+        view.page_size, view.dtype, view.rope_dim = self.page_size, self.dtype, self.rope_dim
         for name, t in (("kv", self.kv), ("kv_scale", self.kv_scale), ("block_table", self.block_table[requests]),
                         ("lengths", self.lengths[requests])):
             view.register_buffer(name, t, persistent=False)

@@ -37,41 +37,38 @@
 // added in warp order) merges them in a fixed order (deterministic).  One split writes the output
 // directly.  Nothing depends on data on the host: one CUDA graph serves every length.
 //
-// An fp8 cache (template parameter F8; kv_cache float8_e4m3fn rows of 576 B + kv_scale fp32
-// [num_pages, page_size], power-of-two scales, models/kimi_k2/cache.py): the key tile is copied as
-// it is stored -- 36 16-byte cp.async per row through the block table (4 threads per row, 9 chunks
-// each) plus one 4-byte cp.async of the row's scale -- into an fp8 ring, then each thread converts
-// the chunks it copied into ONE bf16 key tile in kv_off's layout, exactly the dequantised keys
-// (e4m3x4_to_bf16x4: PRMT / shift / mask puts each code's bits in a bf16 as value·2^-120, two bf16
-// multiplies by 2^120 and by the scale; an e4m3 value times a power of two is exact in bf16), and
-// the S = Q·Kᵀ / P·V code runs on that tile unchanged.  So an fp8 call gives the same bits as a bf16
-// call on the dequantised cache (same tiles and splits: they depend on shapes only).
-//   Staging: the ring holds STAGES fp8 stages (BN·576 B rows + BN·4 B scales) beside one bf16 tile,
-//   which is the bf16 ring's bytes: 2 fp8 stages + 1 bf16 tile = 2 bf16 stages (+ BN·8 B of scales).
-//   Small: Q 18,432 + bf16 tile 36,864 + 2 x (18,432 + 128) + P 1,024 + 256 = 93,696 B (bf16:
-//   93,440; 2 CTAs/SM on sm_90, fits sm_120's 99 KB).  Large: 73,728 + 73,728 + 2 x (36,864 + 256)
-//   + 8,192 + 1,024 = 230,912 B (bf16: 230,400) of sm_90's 232,448 opt-in.  No in-place conversion
-//   (an fp8 tile in the upper half of its own bf16 stage would be overwritten while unread unless
-//   converted in dependency order or through registers, which the Large tile does not have).
+// An fp8 cache (template parameter F8; kv_cache float8_e4m3fn rows of 640 B -- the 512 latent values
+// in e4m3, then the 64 rope values in bf16 -- + kv_scale fp32 [num_pages, page_size], the latent's
+// power-of-two scales, models/kimi_k2/cache.py): the key tile is copied as it is stored -- 40
+// 16-byte cp.async per row through the block table (4 threads per row, 10 chunks each) plus one
+// 4-byte cp.async of the row's scale -- into an fp8 ring, then each thread converts the chunks it
+// copied into ONE bf16 key tile in kv_off's layout, exactly the dequantised keys: the 32 latent
+// chunks through e4m3x4_to_bf16x4 (PRMT / shift / mask puts each code's bits in a bf16 as
+// value·2^-120, two bf16 multiplies by 2^120 and by the scale; an e4m3 value times a power of two is
+// exact in bf16), the 8 rope chunks stored as they are (already bf16); and the S = Q·Kᵀ / P·V code
+// runs on that tile unchanged.  So an fp8 call gives the same bits as a bf16 call on the dequantised
+// cache (same tiles and splits: they depend on shapes only).  The rope stays bf16 because e4m3's 3
+// mantissa bits, which move each value by up to 2^-4 of itself, cost the shipped pair 1.3 % of its
+// greedy tokens when the rope went through them too (cache.py).
+//   Staging: the ring holds STAGES fp8 stages (BN·640 B rows + BN·4 B scales) beside one bf16 tile.
+//   Small: Q 18,432 + bf16 tile 36,864 + 2 x (20,480 + 128) + P 1,024 + 256 = 97,792 B (bf16:
+//   93,440; 2 CTAs/SM on sm_90, fits sm_120's 99 KB).  Large would be 73,728 + 73,728 + 2 x (40,960
+//   + 256) + 8,192 + 1,024 = 239,104 B, over sm_90's 232,448 opt-in: an fp8 cache is read through
+//   the small tile at every N·H (its verify-sized calls are slower per key than bf16's large tile).
+//   No in-place conversion (an fp8 tile in the upper half of its own bf16 stage would be overwritten
+//   while unread unless converted in dependency order or through registers).
 //   Order per tile j: wait for tile j's copies, barrier (every warp done with tile j - 1's bf16
 //   keys; the scales, copied by other threads, visible), issue tile j + 1's copies into the other
 //   fp8 stage, convert tile j, barrier, compute -- the copy of j + 1 overlaps conversion and compute
 //   of j as in the bf16 ring; one barrier more per tile.
-//   Registers (ptxas -v, CUDA 13.0): fp8 Small 148 (sm_90) / 174 (sm_120), fp8 Large 255 on sm_90,
-//   no spills; the conversion re-reads %tid.x so that its addresses are not held across the loop
-//   (with tid hoisted the Large tile spilled 16 B).  bf16 instantiations unchanged (194 / 255 / 182).
-//   What bounds it: the conversion is ~46 thread instructions per 16-byte chunk (LDS.128, 4 x (2
-//   PRMT, 2 shifts, 2 LOP3, 4 HMUL2.BF16), 2 STS.128, addresses), ~2.9 per byte or ~52 warp
-//   instructions per key.  An H200 SM's share of the read bandwidth (4.23 TB/s / 132 SMs / 1.98
-//   GHz ~ 16 B/clk) brings a 580-byte fp8 key every ~36 clk, 143 warp-instruction issue slots
-//   (4 schedulers): the conversion takes ~36 % of them and the 16-row tile's own mma / ldmatrix /
-//   softmax work ~25 warp instructions per key another ~18 %, so decode (N·H <= 16) can stream at
-//   the fp8 byte rate only if 8 warps per SM hide the latencies; expect it issue- and latency-bound
-//   at some fraction of that rate (well above the bf16 kernel's keys/s, short of 2x) [calc, not
-//   measured].  Verify-sized tiles (64 rows, 8 warps): ~415 warp instructions per warp per 64-key
-//   tile on top of ~500 (still far below the ~4.7k-cycle ldmatrix bound above), and 110 KB of
-//   shared-memory traffic on top of ~600 KB of ldmatrix: expect compute-bound cells up to ~20 %
-//   slower per key than bf16 (a smaller cache, not a faster verify) [calc].
+//   Registers (ptxas -v, CUDA 13.0): fp8 Small 148 (sm_90) / 174 (sm_120), as with the all-e4m3
+//   rows before, no spills; the conversion re-reads %tid.x so that its addresses are not held
+//   across the loop.  bf16 instantiations unchanged (194 / 255 / 182).
+//   What bounds it: the conversion is ~46 thread instructions per 16-byte e4m3 chunk (LDS.128, 4 x
+//   (2 PRMT, 2 shifts, 2 LOP3, 4 HMUL2.BF16), 2 STS.128, addresses), ~2.9 per byte or ~47 warp
+//   instructions per key (the rope chunks are a load and a store).  Measured on the H200 with the
+//   all-e4m3 rows (run 179): 0.90-0.95x the bf16 kernel's speed in every cell -- the kernel is not
+//   bandwidth-bound, so fewer bytes buy nothing and the conversion costs.
 //   e4m3fn's NaN codes read as ±480·scale (the cache's quantiser clamps to ±448: never written).
 #include "bf16_vec.cuh"
 #include "check.h"
@@ -97,8 +94,9 @@ constexpr int kD = 576;               // key dim: 512 latent + 64 rope
 constexpr int kDV = 512;              // value dim: the latent part of the same row
 constexpr int kRowChunks = kD / 8;    // 72 16-byte chunks per row
 constexpr int kRowBytes = kD * 2;     // 1152
-constexpr int kF8RowBytes = kD;       // 576: an e4m3 row, 36 16-byte chunks
-constexpr int kF8RowChunks = kF8RowBytes / 16;
+constexpr int kF8RowBytes = kDV + 2 * (kD - kDV);  // 640: 512 e4m3 latent values, then 64 bf16 rope values
+constexpr int kF8RowChunks = kF8RowBytes / 16;     // 40 16-byte chunks
+constexpr int kF8LatentChunks = kDV / 16;          // the first 32 are e4m3, the last 8 bf16
 // Fewest keys per split (a split costs its Q load and an fp32 partial O + its combine); the
 // split count itself comes from choose_splits' wave model.
 constexpr int kMinChunk = 64;
@@ -264,7 +262,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
   auto load_tile = [&](int tile, int stage) {
     if constexpr (F8) {
-      // 4 threads per key: the 36 chunks of the e4m3 row (thread sub takes chunks sub + 4i, the
+      // 4 threads per key: the 40 chunks of the fp8 row (thread sub takes chunks sub + 4i, the
       // ones it converts) and, from sub 0, the row's scale (after the tile's rows)
       constexpr int kKeysPerPass = T::kThreads / 4;
       const uint32_t dst = smem_u32(sF8_ptr) + stage * T::kF8Stage;
@@ -328,13 +326,19 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
         const int key = pass * kKeysPerPass + (tid_v >> 2);
         const unsigned short sb = (unsigned short)(__float_as_uint(scales[key]) >> 16);  // a power of two: exact
         const __nv_bfloat162 scale = __halves2bfloat162(__ushort_as_bfloat16(sb), __ushort_as_bfloat16(sb));
+        static_assert(kF8RowChunks % 4 == 0 && kF8LatentChunks % 4 == 0, "chunk i of every thread is e4m3 or bf16 alike");
 #pragma unroll
-        for (int c = sub; c < kF8RowChunks; c += 4) {
+        for (int i = 0; i < kF8RowChunks / 4; ++i) {
+          const int c = sub + 4 * i;
           const uint4 w = *reinterpret_cast<const uint4*>(src + key * kF8RowBytes + c * 16);
-          const uint2 a = e4m3x4_to_bf16x4(w.x, scale), b = e4m3x4_to_bf16x4(w.y, scale);
-          const uint2 e = e4m3x4_to_bf16x4(w.z, scale), f = e4m3x4_to_bf16x4(w.w, scale);
-          *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c)) = make_uint4(a.x, a.y, b.x, b.y);
-          *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c + 1)) = make_uint4(e.x, e.y, f.x, f.y);
+          if (i < kF8LatentChunks / 4) {  // 16 e4m3 latent values -> bf16 chunks 2c, 2c + 1
+            const uint2 a = e4m3x4_to_bf16x4(w.x, scale), b = e4m3x4_to_bf16x4(w.y, scale);
+            const uint2 e = e4m3x4_to_bf16x4(w.z, scale), f = e4m3x4_to_bf16x4(w.w, scale);
+            *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c)) = make_uint4(a.x, a.y, b.x, b.y);
+            *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c + 1)) = make_uint4(e.x, e.y, f.x, f.y);
+          } else {  // 8 bf16 rope values, stored as they are read: bf16 chunk 64 + (c - 32)
+            *reinterpret_cast<uint4*>(dst + kv_off(key, c + kF8LatentChunks)) = w;
+          }
         }
       }
     }
@@ -916,7 +920,11 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
   check_cuda(visible, "visible", at::kBool, 3);
   const int64_t R = q.size(0), N = q.size(1), H = q.size(2);
   KD_CHECK(q.size(3) == kD, op, ": q head dim must be ", kD, " (512 absorbed latent + 64 rope), got ", q.size(3));
-  KD_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
+  if (fp8)
+    KD_CHECK(kv_cache.size(2) == kF8RowBytes, op, ": an fp8 kv_cache must be [num_pages, page_size, ", kF8RowBytes,
+             "] (512 e4m3 latent values, then 64 bf16 rope values as 128 bytes), got ", kv_cache.sizes());
+  else
+    KD_CHECK(kv_cache.size(2) == kD, op, ": kv_cache must be [num_pages, page_size, ", kD, "], got ", kv_cache.sizes());
   KD_CHECK(N >= 1 && H >= 1, op, ": q must have N >= 1 nodes and H >= 1 heads, got ", q.sizes());
   KD_CHECK(block_table.size(0) == R && cache_lens.size(0) == R, op, ": block_table and cache_lens must have R = ",
               R, " rows");
@@ -946,9 +954,11 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t large_smem = fp8 ? LargeTile<true>::kSmem : LargeTile<false>::kSmem;
+  // fp8 reads through the small tile only: with 640-byte rows the large fp8 tile would need 239,104 B,
+  // over sm_90's 232,448 opt-in (header: "An fp8 cache").
+  const int64_t large_smem = LargeTile<false>::kSmem;
   const bool large_fits = int64_t(prop->sharedMemPerBlockOptin) >= large_smem;
-  const bool large = large_fits && M > SmallTile<false>::kBM;
+  const bool large = !fp8 && large_fits && M > SmallTile<false>::kBM;
   const int bm = large ? LargeTile<false>::kBM : SmallTile<false>::kBM;
   const int bn = large ? 64 : 32;
   const int64_t row_blocks = (M + bm - 1) / bm;
@@ -986,9 +996,7 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
     p.lse_part = run.lse_part.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (large && fp8)
-    launch_attention<2, 2, 64, 2, true>(p, int(row_blocks), int(R), stream);
-  else if (large)
+  if (large)
     launch_attention<2, 2, 64, 2, false>(p, int(row_blocks), int(R), stream);
   else if (fp8)
     launch_attention<1, 1, 32, 2, true>(p, int(row_blocks), int(R), stream);

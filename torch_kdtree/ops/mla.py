@@ -9,10 +9,11 @@ entry is already stored at position cache_lens[r] + j) iff visible[r, i, j].
 CUDA kernel (csrc/mla.cu) is compared with it by relative error.
 
 An fp8 latent cache (models/kimi_k2/cache.py, ``kv_cache_dtype="fp8"``) is read as it is stored:
-``kv_cache`` float8_e4m3fn rows plus ``kv_scale`` float32 [num_pages, page_size] (the layer's
-per-token power-of-two scales, ``cache.kv_scale[layer]``); a key is ``row.float() * scale``, exact
-in bf16 and fp32, so the query stays bf16 (fp32 on the CPU) and the kernel's products are those of
-the dequantised cache.
+``kv_cache`` float8_e4m3fn rows of 640 bytes -- the 512 latent values in e4m3, then the 64 rope
+values in bf16 (128 bytes, viewed as float8 storage) -- plus ``kv_scale`` float32 [num_pages,
+page_size] (the layer's per-token power-of-two scales of the latent part, ``cache.kv_scale[layer]``).
+A key is ``[latent.float() * scale | rope]``, exact in bf16 and fp32, so the query stays bf16 (fp32
+on the CPU) and the kernel's products are those of the dequantised cache.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from ._checks import check_same_device, check_tensor, value_checks_active
 
 KV_DIM = 576  # latent (512) + rope (64): the key dimension
 V_DIM = 512  # the latent part of a cache row is the value
+ROPE_DIM = KV_DIM - V_DIM
+FP8_ROW_BYTES = V_DIM + 2 * ROPE_DIM  # an fp8 cache row: 512 e4m3 latent values, then 64 bf16 rope values
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
 _CACHE_DTYPES = _FLOAT_DTYPES + (FP8,)
@@ -41,9 +44,11 @@ def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=Non
     R, N, H, D = q.shape
     if D != KV_DIM:
         raise ValueError(f"{op}: q head dim must be {KV_DIM} (512 absorbed latent + 64 rope), got {D}")
-    if kv_cache.shape[2] != KV_DIM:
-        raise ValueError(f"{op}: kv_cache must be [num_pages, page_size, {KV_DIM}], got {tuple(kv_cache.shape)}")
     if kv_cache.dtype == FP8:
+        if kv_cache.shape[2] != FP8_ROW_BYTES:
+            raise ValueError(f"{op}: a {FP8} kv_cache must be [num_pages, page_size, {FP8_ROW_BYTES}] (512 e4m3 "
+                             f"latent values, then 64 bf16 rope values as 128 bytes: KimiK2Cache's fp8 rows), got "
+                             f"{tuple(kv_cache.shape)}")
         if kv_scale is None:
             raise ValueError(f"{op}: kv_scale is required with a {FP8} kv_cache: float32 [num_pages, page_size] = "
                              f"{tuple(kv_cache.shape[:2])}, the layer's per-token scales (cache.kv_scale[layer])")
@@ -53,6 +58,8 @@ def _check(q, kv_cache, block_table, cache_lens, visible, softmax_scale, out=Non
             raise ValueError(f"{op}: kv_scale must be float32 [num_pages, page_size] = {tuple(kv_cache.shape[:2])} "
                              f"(one scale per cache row), got {tuple(kv_scale.shape)}")
     else:
+        if kv_cache.shape[2] != KV_DIM:
+            raise ValueError(f"{op}: kv_cache must be [num_pages, page_size, {KV_DIM}], got {tuple(kv_cache.shape)}")
         if kv_cache.dtype != q.dtype:
             raise TypeError(f"{op}: kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
         if kv_scale is not None:
@@ -99,9 +106,20 @@ def check_pages(op: str, num_pages: int, page_size: int, block_table: torch.Tens
                          f"in [0, {num_pages})")
 
 
+def fp8_rows_to_keys(rows: torch.Tensor, scale: torch.Tensor, rope_dim: int = ROPE_DIM) -> torch.Tensor:
+    """fp8 cache rows [..., n + 2 rope_dim] (uint8 or float8_e4m3fn storage; 640 bytes for K2) and
+    their scales [...] -> float32 rows [..., n + rope_dim]: ``[latent (n e4m3 values) * scale | rope
+    (rope_dim bf16 values)]``, exact."""
+    b = rows.view(torch.uint8)
+    n = b.shape[-1] - 2 * rope_dim
+    latent = b[..., :n].view(FP8).float() * scale[..., None]
+    rope = b[..., n:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=-1)
+
+
 def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_scale=None):
     """(out in q's dtype [R, N, H, 512], lse float32 [R, N, H]) by gathering and a float32 softmax;
-    fp8 rows are dequantised as gathered (row.float() * scale: exact in fp32)."""
+    fp8 rows are dequantised as gathered (:func:`fp8_rows_to_keys`: exact in fp32)."""
     R, N, H, _ = q.shape
     page_size = kv_cache.shape[1]
     out = torch.empty((R, N, H, V_DIM), dtype=q.dtype, device=q.device)
@@ -114,7 +132,7 @@ def _attend(q, kv_cache, block_table, cache_lens, visible, softmax_scale, kv_sca
         if kv_scale is None:
             keys = kv_cache[pages, slot].float()  # [L + N, 576]
         else:  # gathered as bytes (index kernels need not cover float8), then dequantised
-            keys = kv_cache.view(torch.uint8)[pages, slot].view(kv_cache.dtype).float() * kv_scale[pages, slot][:, None]
+            keys = fp8_rows_to_keys(kv_cache.view(torch.uint8)[pages, slot], kv_scale[pages, slot])
         values = keys[:, :V_DIM]
         chunk = max(1, _SCORES_PER_CHUNK // (H * (L + N)))
         for n0 in range(0, N, chunk):
@@ -156,10 +174,11 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     Args:
         q: [R, N, H, 576] bfloat16 (float32 accepted by the CPU kernel): per node and head the
             absorbed query q_nope·W_UK (512) followed by the rotated rope query (64). Contiguous.
-        kv_cache: [num_pages, page_size, 576], q's dtype or float8_e4m3fn (an fp8 cache, with
-            ``kv_scale``): one layer of the latent cache, rows
+        kv_cache: [num_pages, page_size, 576] in q's dtype: one layer of the latent cache, rows
             ``[kv_a_layernorm(c) (512) | rope(k_rope) (64)]``; e.g. ``cache[layer]`` of the
-            contiguous all-layer tensor [num_layers, num_pages, page_size, 576].
+            contiguous all-layer tensor [num_layers, num_pages, page_size, 576].  Or an fp8 cache
+            (with ``kv_scale``): float8_e4m3fn [num_pages, page_size, 640], the latent part as 512
+            e4m3 values, then the rope part as 64 bf16 values (128 bytes).
         block_table: int32 [R, max_pages], logical page -> physical page; must cover
             cache_lens[r] + N positions.
         cache_lens: int32 [R], committed prefix length (on the device; one CUDA graph serves
@@ -176,8 +195,8 @@ def mla_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             previous kernel writes only the query and the new rows).  It never changes the result;
             leave it False when in doubt.
         kv_scale: float32 [num_pages, page_size], required with a float8_e4m3fn ``kv_cache`` (None
-            otherwise): key = row * scale (``KimiK2Cache.kv_scale[layer]``, power-of-two scales,
-            so the dequantised keys are exact in bf16).
+            otherwise): key = [latent * scale | rope] (``KimiK2Cache.kv_scale[layer]``,
+            power-of-two scales, so the dequantised keys are exact in bf16).
 
     Returns ``out`` [R, N, H, 512] = softmax(scale · q·kᵀ over the visible keys) · v with v the
     first 512 dims of each key, or ``(out, lse)`` when ``return_lse``. A row that sees no key

@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass, field, replace
 from .presets import GiB
 from .shapes import DrafterShape, TargetShape, WeightFormat, ceil_div
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
-# KimiK2Cache's fp8 layout (models/kimi_k2/cache.py): e4m3 values plus one fp32 scale per token and layer.
+KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}  # the latent part's bytes per value
+# KimiK2Cache's fp8 layout (models/kimi_k2/cache.py): the latent in e4m3 with one fp32 scale per token and
+# layer, the rope part in bf16.
 KV_SCALE_BYTES = {"bf16": 0, "fp8": 4}
+KV_ROPE_BYTES = 2  # either dtype
 DEFAULT_PAGE_SIZE = 64  # KimiK2Cache's default page; also vLLM's FlashMLA block size
 DEFAULT_MEM_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 # CUDA context, NCCL buffers, CUDA-graph pools, a prefill chunk's activations: an assumption, not a
@@ -153,8 +155,9 @@ def vision_weights(t: TargetShape) -> int:
 
 
 def kv_bytes_per_token_per_layer(t: TargetShape, kv_dtype: str = "bf16") -> int:
-    """The latent row (and its scale, fp8) of one token in one layer: 1152 B in bf16, 580 B in fp8 for K2."""
-    return t.latent_dim * KV_DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES[kv_dtype]
+    """The latent row (and its scale, fp8) of one token in one layer: 1152 B in bf16, 644 B in fp8 for K2
+    (512 e4m3 latent values + 64 bf16 rope values + a 4-byte scale)."""
+    return t.kv_lora * KV_DTYPE_BYTES[kv_dtype] + t.qk_rope * KV_ROPE_BYTES + KV_SCALE_BYTES[kv_dtype]
 
 
 def kv_bytes_per_token(t: TargetShape, kv_dtype: str = "bf16") -> int:

@@ -35,8 +35,8 @@ def assumptions(t: TargetShape, d: DrafterShape | None, dep: Deployment, sources
         + "; the rest bf16, the routing bias fp32.",
         "Latent cache: (kv_lora_rank + qk_rope_head_dim) values per token and layer, held whole by every TP rank; "
         "--dcp N gives each of N TP ranks 1/N of every request's tokens (vLLM's decode context parallelism; this "
-        "engine has no DCP yet). fp8 = the engine's layout: one e4m3 byte per value plus an fp32 scale per token "
-        "and layer (580 B per token and layer for K2, against 1152 B in bf16).",
+        "engine has no DCP yet). fp8 = the engine's layout: one e4m3 byte per latent value, the rope part in bf16, "
+        "and an fp32 scale per token and layer (644 B per token and layer for K2, against 1152 B in bf16).",
         "Per request the engine reserves prompt + new + L + max(budget + 1, L) + 2 tokens in whole pages "
         "(GenerationSession), and the drafter keeps K/V of every context token (slots rounded to 16); both come "
         "out of one pool, as the headline KV tokens per GPU counts them.",
