@@ -20,9 +20,9 @@ echo "timeline rc=$? ($(( $(date +%s) - start )) s)"; tail -5 "$OUT/p/timeline.l
 ( cd "$OUT" && tar czf profile.tgz p && rm -rf p )
 t=$(left)
 if [ "$t" -gt 60 ]; then
-  timeout $t python3 -m pytest bench/bench_generate.py --benchmark-only -q -s -p no:cacheprovider \
-    ${BENCH_ARGS:---bench-step-budgets 0,4,8,16,32 -k "step_time or autoregressive or oracle"} \
-    --benchmark-json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  args=${BENCH_ARGS:-"--bench-step-budgets 0,4,8,16,32 -k 'step_time or autoregressive or oracle'"}
+  eval "timeout $t python3 -m pytest bench/bench_generate.py --benchmark-only -q -s -p no:cacheprovider $args \
+    --benchmark-json=\"$OUT/bench.json\"" > "$OUT/bench.log" 2>&1
   echo "bench rc=$? ($(( $(date +%s) - start )) s)"; grep -E "op=|passed|failed" "$OUT/bench.log" | tail -30
 fi
 ls -l "$OUT"

@@ -17,7 +17,8 @@ TESTS=${1:-}
 BENCH=${2:-}
 SAN=${3:-}
 if [ -n "$TESTS" ]; then
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfE --timeout 240 -n ${XDIST:-4} > "$OUT/tests.log" 2>&1
+  # eval: a selection may quote a -k expression ("tests/x.py -k 'a or b'")
+  eval "timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfE --timeout 240 -n ${XDIST:-4}" > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30
 fi
 for s in $SAN; do
@@ -29,6 +30,6 @@ for s in $SAN; do
   done
 done
 if [ -n "$BENCH" ]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 -m pytest $BENCH --benchmark-only -q -s -p no:cacheprovider --benchmark-json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  eval "timeout ${BENCH_TIMEOUT:-400} python3 -m pytest $BENCH --benchmark-only -q -s -p no:cacheprovider --benchmark-json=\"$OUT/bench.json\"" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -E "op=|passed|failed" "$OUT/bench.log" | tail -40
 fi
