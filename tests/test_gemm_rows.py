@@ -62,6 +62,36 @@ def test_non_contiguous_weight_raises():
         gemm_rows(torch.zeros(4, 64), torch.zeros(64, 16).T)
 
 
+def test_where_it_pays_rows_and_k():
+    """The measured rule (run 182): 5-16 rows at any K; 17-20 rows only where K >= 4096; nothing else."""
+    from torch_kdtree.ops import gemm_rows_pays
+
+    assert [r for r in range(0, 40) if gemm_rows_pays(r, 1024)] == list(range(5, 17))
+    assert [r for r in range(0, 40) if gemm_rows_pays(r, 7168)] == list(range(5, 21))
+    assert gemm_rows_pays(17, 4096) and not gemm_rows_pays(17, 4088)
+    assert gemm_rows_pays(17) and not gemm_rows_pays(21) and not gemm_rows_pays(4)  # for some K
+
+
+def test_linear_in_rows_form_asks_per_call(monkeypatch, fresh_seed):
+    """models.kimi_k2.gemv.linear(form="rows") runs gemm_rows only for the calls whose rows and K pay
+    (17 rows: the long-K weight yes, the short-K one no), and gives the module's output either way."""
+    from torch_kdtree.models.kimi_k2 import gemv
+
+    calls = []
+    real = gemv.gemm_rows
+    monkeypatch.setattr(gemv, "gemm_rows", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
+    g = torch.Generator().manual_seed(fresh_seed)
+    long_k, short_k = torch.nn.Linear(4096, 24, bias=False), torch.nn.Linear(1024, 24, bias=False)
+    for m in (long_k, short_k):
+        m.weight.data = torch.randn(m.weight.shape, generator=g)
+    for rows, want in ((9, [(24, 4096), (24, 1024)]), (17, [(24, 4096)]), (21, [])):
+        calls.clear()
+        for m in (long_k, short_k):
+            x = torch.randn(1, rows, m.in_features, generator=g)
+            torch.testing.assert_close(gemv.linear(m, x, "rows"), m(x), rtol=1e-5, atol=1e-4)
+        assert calls == want, (rows, calls)
+
+
 def test_opcheck_cpu(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     x, w = case(gen, 7, 64, 24)

@@ -910,11 +910,13 @@ def test_plan_picks_the_decode_kernels_by_shape_and_says_why_not():
     verify = _kernel_plan(model, 1, 17, compiled=True, device="cuda").layers[1]
     assert (verify.attention, verify.qkv, verify.matvec, verify.router, verify.experts, verify.shared) == \
         ("tree_op", "torch", False, "mm", "grouped_mm", "torch")
-    # kdtree::gemm_rows for the linears of bf16 passes of 5 ... 16 rows, not for decode sizes or more rows
+    # kdtree::gemm_rows for the linears of bf16 passes of 5 ... 16 rows, and of 17 ... 20 rows where K
+    # is long (linear() asks per call), not for decode sizes or more rows
     nine = _kernel_plan(model, 1, 9, compiled=True, device="cuda").layers[1]
     assert nine.rows_gemm and nine.linear_form == "rows" and "gemm_rows" in nine.describe()
     assert not dense.rows_gemm and dense.linear_form == "matvec"
-    assert not verify.rows_gemm and verify.linear_form == ""  # 17 rows: cuBLAS
+    assert verify.rows_gemm and verify.linear_form == "rows"  # 17 rows: gemm_rows where K >= 4096
+    assert not _kernel_plan(model, 1, 21, compiled=True, device="cuda").layers[1].rows_gemm  # cuBLAS
     assert _kernel_plan(model, 1, 5, device="cuda").layers[0].rows_gemm  # eager passes too
     assert not _kernel_plan(make_model(42, num_hidden_layers=2), 1, 17, device="cuda").layers[1].rows_gemm  # fp32
     assert not _kernel_plan(model, 1, 17, device="cpu").layers[1].router == "mm"  # aten::mm.dtype: CUDA only

@@ -218,7 +218,7 @@ class RowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (gemm_rows_pays(x.numel() // max(1, x.shape[-1])) and self.bias is None and w.is_contiguous()
+        if (gemm_rows_pays(x.numel() // max(1, x.shape[-1]), x.shape[-1]) and self.bias is None and w.is_contiguous()
                 and x.dtype == w.dtype):
             return gemm_rows(x, w)
         return F.linear(x, w, self.bias)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_kdtree.ops import gemm_rows
+from torch_kdtree.ops import gemm_rows, gemm_rows_pays
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements; larger weights stay on cuBLAS (bandwidth-bound anyway)
 
@@ -31,13 +31,16 @@ def products_as_matvec(form, weight: torch.Tensor) -> bool:
 def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
     """``module(x)``; with ``form`` True / "matvec" the same product as an fp32 multiply + sum (one
     fused reduction kernel under inductor), rounded to x's dtype like the GEMM; with "rows" through
-    ``kdtree::gemm_rows`` (the weight streamed once; the plan asks for it at ``gemm_rows_pays``' rows)."""
+    ``kdtree::gemm_rows`` where ``gemm_rows_pays`` says so for this call's rows and K (the weight
+    streamed once; the plan asks for "rows" at row counts where it pays for some K)."""
     if products_as_matvec(form, module.weight):
         y = matvec(x, module.weight)
         if module.bias is not None:
             y = y + module.bias.float()
         return y.to(x.dtype)
-    if form == "rows" and module.weight.is_contiguous() and module.weight.dtype == x.dtype:
+    k = module.weight.shape[-1]
+    if (form == "rows" and gemm_rows_pays(x.numel() // max(1, k), k) and module.weight.is_contiguous()
+            and module.weight.dtype == x.dtype):
         y = gemm_rows(x, module.weight)
         return y if module.bias is None else y + module.bias
     return module(x)

@@ -35,8 +35,8 @@ Field values:
   ``torch`` or ``none``.
 - ``matvec``: decode-sized compiled CUDA passes write the small projections as multiply + sum
   (one inductor reduction kernel each, :mod:`.gemv`).
-- ``gemm_rows``: tree-sized bf16 passes (``gemm_rows_pays``: 5-16 rows) run their linear
-  layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
+- ``gemm_rows``: tree-sized bf16 passes (``gemm_rows_pays``: 5-16 rows, and 17-20 rows for the
+  linears of K >= 4096) run their linear layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
   cuBLAS GEMM of 5-17 rows read it at 0.3-0.5 of the bandwidth inside a step (bench/RESULTS.md run 178).
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ FUSED_ROWS = 4
 # Compiled CUDA passes of at most this many rows write linears as multiply + sum (gemv.py).
 GEMV_ROWS = 4
 # kdtree::gemm_rows takes the linear layers of bf16 passes of gemm_rows_pays' row counts (5-16: a tree
-# verify of B = 4 ... 15 for one request; torch_kdtree.ops.gemm_rows.PAYS_ROWS says why not 17-32);
-# fewer rows keep the decode forms, more a GEMM.
+# verify of B = 4 ... 15 for one request, at any K; 17-20, B = 16 ... 19, the linears of K >= 4096 only:
+# torch_kdtree.ops.gemm_rows.PAYS_ROWS says why); fewer rows keep the decode forms, more a GEMM.
 # mla_prepare replaces the torch RoPE / norm / cache write / W_UK forms up to this many tokens, and
 # mla_tree_attention_output the separate W_UV product up to this many (bench/RESULTS.md runs 49-58).
 PREPARE_ROWS = 4
@@ -149,7 +149,8 @@ class LayerPlan:
 
     @property
     def linear_form(self) -> str:
-        """How the layer's plain linear layers run: "matvec", "rows" (kdtree::gemm_rows) or "" (the module)."""
+        """How the layer's plain linear layers run: "matvec", "rows" (kdtree::gemm_rows where
+        ``gemm_rows_pays`` says so for the call's K, else the module) or "" (the module)."""
         return "matvec" if self.matvec else "rows" if self.rows_gemm else ""
 
     @property

@@ -16,14 +16,22 @@ import torch
 from ._checks import check_same_device, check_tensor
 
 MAX_ROWS = 32
-# Where the kernel pays against cuBLAS (bench/RESULTS.md run 181, H100, weights in L2: one m16 tile of
-# rows at par or ahead, two tiles behind where K is short): callers route these row counts to it.
+# Where the kernel pays against cuBLAS (bench/RESULTS.md run 182, H100, weights read from HBM): one m16
+# tile of rows (5-16) at 1.0-1.55x on every K2 / 2p2b shape but MLP down (0.95x); two tiles at 17 rows
+# ahead where K >= 4096 (q_a and kv_a 1.09-1.12x, shared up 1.40x, MLP up 1.04x, 2p2b MLP down 1.08x) and
+# behind where K <= 2304 (0.85-0.98x); at 32 rows at par or behind but shared up.  Callers route these.
 PAYS_ROWS = (5, 16)
+PAYS_ROWS_LONG_K = (17, 20, 4096)  # (first row, last row, smallest K)
 
 
-def gemm_rows_pays(rows: int) -> bool:
-    """Whether a linear of ``rows`` rows should go through ``kdtree::gemm_rows`` (PAYS_ROWS)."""
-    return PAYS_ROWS[0] <= rows <= PAYS_ROWS[1]
+def gemm_rows_pays(rows: int, k: int | None = None) -> bool:
+    """Whether a linear of ``rows`` rows and ``k`` inputs should go through ``kdtree::gemm_rows``
+    (PAYS_ROWS at any K; PAYS_ROWS_LONG_K's rows where K is that long).  ``k`` None: whether it pays
+    for some K (a plan's per-pass choice; each call then asks with its own K)."""
+    if PAYS_ROWS[0] <= rows <= PAYS_ROWS[1]:
+        return True
+    lo, hi, min_k = PAYS_ROWS_LONG_K
+    return lo <= rows <= hi and (k is None or k >= min_k)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -66,4 +74,4 @@ def _(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-__all__ = ["gemm_rows", "gemm_rows_reference", "gemm_rows_pays", "MAX_ROWS", "PAYS_ROWS"]
+__all__ = ["gemm_rows", "gemm_rows_reference", "gemm_rows_pays", "MAX_ROWS", "PAYS_ROWS", "PAYS_ROWS_LONG_K"]
