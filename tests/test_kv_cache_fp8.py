@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import one_thread
+from conftest import one_thread, requires_cuda
 
 from torch_kdtree.models import KimiK2Cache
 from torch_kdtree.models.generation import OracleDrafter
@@ -523,3 +523,27 @@ def test_fp8_tree_op_logits_equal_the_torch_forms_to_fp32_rounding(monkeypatch, 
                       2.0 ** (binade[..., L:] - 8)], dim=-1)
     assert bool(((a - b).abs() <= step).all())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@requires_cuda
+def test_cuda_inductor_writes_and_reads_fp8_rows_as_eager_does():
+    """The compiled steps write an fp8 cache through inductor: the quantiser (its bf16 rope viewed as
+    bytes, a bitcast to another element size) and the dequantising read give the eager bytes and
+    values bit for bit, on shuffled pages."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    cache = KimiK2Cache(2, 2, 16, 576, page_size=4, dtype=torch.bfloat16, device="cuda", kv_cache_dtype="fp8")
+    cache.block_table.copy_(torch.randperm(cache.kv.shape[1], device="cuda").view_as(cache.block_table).int())
+    rows = (torch.randn(2, 5, 576, device="cuda", generator=g) * 3).to(torch.bfloat16)
+
+    def step(cache, rows):
+        slots = cache.slots(5)
+        cache.write(1, slots, rows)
+        return cache.read(1, 5)
+
+    cache_eager = KimiK2Cache(2, 2, 16, 576, page_size=4, dtype=torch.bfloat16, device="cuda", kv_cache_dtype="fp8")
+    cache_eager.block_table.copy_(cache.block_table)
+    want = step(cache_eager, rows)
+    got = torch.compile(step, fullgraph=True)(cache, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(cache.kv.view(torch.uint8), cache_eager.kv.view(torch.uint8))
+    assert torch.equal(cache.kv_scale, cache_eager.kv_scale)

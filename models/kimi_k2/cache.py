@@ -2,8 +2,8 @@
 
 One tensor ``kv`` [num_layers, num_pages, page_size, D] with D = kv_lora_rank + qk_rope_head_dim
 (576 for K2): per token and layer ``[kv_a_layernorm(c) (512) | rope(k_rope) (64)]`` — the layout
-``kdtree::kv_commit`` moves and ``kdtree::mla_tree_attention`` reads (one layer is ``kv[layer]``).
-``block_table`` int32 [R, max_pages] maps each request's logical pages to physical pages and
+``kdtree::kv_commit`` moves and ``kdtree::mla_tree_attention`` reads (one layer is ``kv[layer]``;
+an fp8 cache's rows are D + qk_rope_head_dim bytes, below).  ``block_table`` int32 [R, max_pages] maps each request's logical pages to physical pages and
 ``lengths`` int32 [R] (on the device) is each request's committed prefix length.
 
 ``kv_cache_dtype="fp8"`` stores each row as its latent part in float8_e4m3fn with one fp32 scale per
@@ -15,13 +15,13 @@ dequantised values are exact in bf16 (an attention kernel may dequantise into it
 without rounding).  The rope part stays bf16 because e4m3's 3 mantissa bits move each value by up to
 2^-4 of itself whatever the scale, and the rope dims carry the position: with all 576 values in e4m3
 (580 B) the shipped pair's greedy tokens agreed with a bf16 cache's at 98.70 % of 2,000 positions,
-with the rope in bf16 at 99.55 % (bench/RESULTS.md, session 40).  The rows stay 16-byte aligned (640
-B), the scales a tensor of their own, so ``kv_commit`` moves both as they are
+with the rope in bf16 at 99.55 % (tests/test_default_pair.py; bench/RESULTS.md).  The rows stay 16-byte
+aligned (640 B), the scales a tensor of their own, so ``kv_commit`` moves both as they are
 (:meth:`KimiK2Cache.commit`).  Writes quantise, reads dequantise to the compute ``dtype``;
-``kdtree::mla_tree_attention`` reads the rows as stored, with ``kv_scale[layer]``
-(the decode plan's ``tree_op`` form), the other MLA kernels bf16 rows only.  Moving an fp8 cache
-(``.to(device)``, ``.cuda()``) moves its rows and scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's cast) keeps the e4m3 rows and
-fp32 scales and changes only the dtype reads dequantise to.  A 16-bit or fp32 cache is cast as any
+``kdtree::mla_tree_attention`` reads the rows as stored, with ``kv_scale[layer]`` (the decode plan's
+``tree_op`` form), the other MLA kernels bf16 rows only.  Moving an fp8 cache (``.to(device)``,
+``.cuda()``) moves its rows and scales; casting it (``.to(torch.bfloat16)``, ``.half()``, a model's
+cast) keeps the fp8 rows and fp32 scales and changes only the dtype reads dequantise to.  A 16-bit or fp32 cache is cast as any
 module's buffers are, but never to a float8 dtype (that would drop the scales: build the cache with
 ``kv_cache_dtype="fp8"``).  :meth:`KimiK2Cache.check_layout` refuses an fp8 cache without its
 scales, scales beside rows that are not fp8, and rows of a dtype no path reads; the model runs it
