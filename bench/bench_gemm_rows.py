@@ -1,6 +1,7 @@
 """kdtree::gemm_rows against cuBLAS (F.linear) on the linear layers of a tree verify, one run.
 
-Run (H200, ~1 min): pytest bench/bench_gemm_rows.py --benchmark-only -s
+Run (H200, ~1 min): pytest bench/bench_gemm_rows.py --benchmark-only -s  (test_gemm_rows_weight_pairs: two
+weights sharing x in one launch, against two calls and two cuBLAS calls)
 Shapes: K2's TP-8 rank (k2_slice) and 2p2b projections -- q_a + kv_a as two calls (7168 -> 1536,
 576), q_b (1536 -> 8 x 192), o_proj (1024 -> 7168), the dense MLP (7168 -> 2304, 2304 -> 7168), the
 shared expert slice (7168 -> 256), 2p2b's q_a (2048 -> 1536) and MLP down (6144 -> 2048) -- at
@@ -49,3 +50,36 @@ def test_gemm_rows_against_cublas(benchmark, name, M):
     record(benchmark, op="gemm_rows", shape=name, M=M, K=K, N=N, us=ours, cublas_us=cublas, speedup=cublas / ours,
            ceiling_ratio=nbytes / (ours * 1e-6) / 1e9 / ceiling.gbs,
            cublas_ceiling_ratio=nbytes / (cublas * 1e-6) / 1e9 / ceiling.gbs, rel_err=err, **ceiling.fields())
+
+
+PAIRS = {  # name: (K, (N_1, N_2)): linears that read the same x
+    "k2_q_a+kv_a": (7168, (1536, 576)), "k2_shared_gate+up": (7168, (256, 256)), "k2_mlp_gate+up": (7168, (2304, 2304)),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [5, 9, 17])
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_gemm_rows_weight_pairs(benchmark, name, M):
+    """Two weights that read the same x in one gemm_rows launch (the plan's q_a + kv_a and gate + up)
+    against two gemm_rows calls and two cuBLAS calls, cold weights as above."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("kdtree::gemm_rows", "CUDA"):
+        pytest.skip("needs the kdtree::gemm_rows CUDA kernel")
+    K, Ns = PAIRS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    ws = [(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16() for N in Ns]
+    per = 2 * K * sum(Ns)
+    copies = [ws] + [[w.clone() for w in ws] for _ in range(max(1, -(-COLD_BYTES // per)) - 1)]
+    turn = iter(range(1 << 30))
+    one = cuda_time_us(lambda: gemm_rows(x, copies[next(turn) % len(copies)]), calls_per_graph=len(copies))
+    two = cuda_time_us(lambda: [gemm_rows(x, w) for w in copies[next(turn) % len(copies)]],
+                       calls_per_graph=len(copies))
+    cublas = cuda_time_us(lambda: [F.linear(x, w) for w in copies[next(turn) % len(copies)]],
+                          calls_per_graph=len(copies))
+    ceiling = hbm_ceiling()
+    nbytes = per + 2 * (M * K + M * sum(Ns))
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    record(benchmark, op="gemm_rows_pair", shape=name, M=M, K=K, N="+".join(map(str, Ns)), us=one, two_calls_us=two,
+           cublas_us=cublas, speedup_vs_two_calls=two / one, speedup_vs_cublas=cublas / one,
+           ceiling_ratio=nbytes / (one * 1e-6) / 1e9 / ceiling.gbs, **ceiling.fields())

@@ -1,7 +1,8 @@
 """kdtree::gemm_rows (tree-sized linear layers): the reference against a float64 oracle, bad inputs,
 opcheck and torch.compile on CPU; on CUDA the kernel against the reference on fresh random inputs
-(one and two m16 tiles of rows, ragged N and K, split and unsplit K), rows past M never read, the
-same bits on every run, CUDA graph replay, opcheck and a compiled fullgraph step."""
+(one and two m16 tiles of rows, ragged N and K, split and unsplit K, one to three weights sharing x
+in one launch), rows past M never read, the same bits on every run, CUDA graph replay, opcheck and a
+compiled fullgraph step."""
 import pytest
 import torch
 
@@ -35,6 +36,20 @@ def test_reference_matches_float64_oracle(fresh_seed, M, K, N):
     assert (gemm_rows_reference(xb, wb).float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7
 
 
+def test_several_weights_are_each_weight_alone(fresh_seed):
+    """A list of weights sharing x: one output per weight, each the single-weight result (the
+    reference against the float64 oracle too)."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, w1 = case(gen, 9, 64, 48)
+    w2, w3 = case(gen, 1, 64, 8)[1], case(gen, 1, 64, 130)[1]
+    got = gemm_rows(x.view(3, 3, 64), [w1, w2, w3])
+    assert [tuple(y.shape) for y in got] == [(3, 3, 48), (3, 3, 8), (3, 3, 130)]
+    for y, w in zip(got, (w1, w2, w3)):
+        assert torch.equal(y.view(9, -1), gemm_rows_reference(x, w))
+        torch.testing.assert_close(y.view(9, -1).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    assert isinstance(gemm_rows(x, w1), torch.Tensor) and isinstance(gemm_rows(x, [w1]), list)
+
+
 def test_op_on_cpu_is_the_reference_and_keeps_leading_dims(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     x, w = case(gen, 12, 64, 48)
@@ -55,6 +70,18 @@ def test_bad_inputs_raise(x_shape, w_shape, dtypes, message):
     w = torch.zeros(w_shape, dtype=dtypes[1])
     with pytest.raises((ValueError, TypeError), match=message):
         gemm_rows(x, w)
+
+
+@pytest.mark.parametrize("weights,message", [
+    (lambda w: [], "1 to 3 weights sharing x, got 0"),
+    (lambda w: [w, w, w, w], "1 to 3 weights sharing x, got 4"),
+    (lambda w: [w, w[:, :32].contiguous()], r"weights\[1\] must be \[N >= 1, K = 64\]"),
+    (lambda w: [w, w.double()], r"weights\[1\] must be torch.float32"),
+])
+def test_bad_weight_lists_raise(weights, message):
+    x, w = torch.zeros(4, 64), torch.zeros(8, 64)
+    with pytest.raises((ValueError, TypeError), match=message):
+        gemm_rows(x, weights(w))
 
 
 def test_non_contiguous_weight_raises():
@@ -92,17 +119,44 @@ def test_linear_in_rows_form_asks_per_call(monkeypatch, fresh_seed):
         assert calls == want, (rows, calls)
 
 
+def test_linears_share_one_launch_where_it_pays(monkeypatch, fresh_seed):
+    """models.kimi_k2.gemv.linears: linears that read the same x run as one gemm_rows call of all their
+    weights in the "rows" form where it pays (q_a + kv_a, gate + up), else one by one; the modules'
+    outputs either way."""
+    from torch_kdtree.models.kimi_k2 import gemv
+
+    calls = []
+    real = gemv.gemm_rows
+    monkeypatch.setattr(gemv, "gemm_rows", lambda x, w: calls.append(
+        [tuple(t.shape) for t in w] if isinstance(w, list) else tuple(w.shape)) or real(x, w))
+    g = torch.Generator().manual_seed(fresh_seed)
+    a, b = torch.nn.Linear(1024, 24, bias=False), torch.nn.Linear(1024, 40, bias=False)
+    for m in (a, b):
+        m.weight.data = torch.randn(m.weight.shape, generator=g)
+    for rows, form, want in ((9, "rows", [[(24, 1024), (40, 1024)]]), (17, "rows", []), (9, "", [])):
+        calls.clear()
+        x = torch.randn(1, rows, 1024, generator=g)
+        out = gemv.linears([a, b], x, form)
+        for y, m in zip(out, (a, b)):
+            torch.testing.assert_close(y, m(x), rtol=1e-5, atol=1e-4)
+        assert calls == want, (rows, form, calls)
+
+
 def test_opcheck_cpu(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     x, w = case(gen, 7, 64, 24)
-    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, w))
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, [w]))
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, [w, case(gen, 1, 64, 40)[1]]))
 
 
 def test_compiles_with_fullgraph_on_cpu(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     x, w = case(gen, 9, 128, 40)
+    w2 = case(gen, 1, 128, 24)[1]
     step = lambda x: gemm_rows(torch.nn.functional.silu(x), w).sum(-1)  # noqa: E731
     torch.testing.assert_close(torch.compile(step, fullgraph=True)(x), step(x))
+    pair = lambda x: [y.sum(-1) for y in gemm_rows(x * 2, [w, w2])]  # noqa: E731
+    torch.testing.assert_close(torch.compile(pair, fullgraph=True)(x), pair(x))
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +185,30 @@ def test_cuda_kernel_matches_reference(fresh_seed, M, K, N):
     # the same products in another fp32 order: a bf16 rounding apart at most, element by element
     assert (got.cpu().float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7 + 1e-6
     assert rel_err(got.cpu(), want) < 4e-3
+
+
+@requires_kernel
+@pytest.mark.parametrize("M,K,Ns", [
+    (5, 7168, (1536, 576)),       # K2's q_a + kv_a at B = 4 (split K, 24 + 9 tiles)
+    (17, 7168, (256, 256)),       # the shared expert's gate + up at B = 16 (two m16 tiles)
+    (9, 136, (100, 8, 65)),       # three weights, ragged K and N, one-tile weights between
+    (3, 65536, (8, 24)),          # K split many ways over two one-block weights
+    (12, 1024, (7168, 64, 2048)), # one weight of 112 tiles beside smaller ones
+])
+def test_cuda_several_weights_match_the_reference(fresh_seed, M, K, Ns):
+    """Up to three weights in one launch (their tiles side by side, one split choice, the partials'
+    columns at each weight's offset): every output equals that weight's reference within a bf16
+    rounding, and the one-weight call's bits where the split choice agrees."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+    ws = [(torch.randn(N, K, generator=gen, device="cuda") / K ** 0.5).bfloat16() for N in Ns]
+    got = gemm_rows(x, ws)
+    for y, w in zip(got, ws):
+        want = gemm_rows_reference(x.cpu(), w.cpu())
+        assert y.shape == (M, w.shape[0]) and y.dtype == torch.bfloat16
+        assert (y.cpu().float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7 + 1e-6
+        assert rel_err(y.cpu(), want) < 4e-3
+    assert all(torch.equal(a, b) for a, b in zip(gemm_rows(x, ws), got))  # the same bits every call
 
 
 @requires_kernel
@@ -167,7 +245,8 @@ def test_cuda_graph_replays_with_new_inputs(fresh_seed):
 def test_opcheck_cuda(fresh_seed):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
     x, w = case(gen, 6, 512, 96, torch.bfloat16, "cuda")
-    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, w))
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, [w]))
+    torch.library.opcheck(torch.ops.kdtree.gemm_rows.default, (x, [w, case(gen, 1, 512, 40, torch.bfloat16, "cuda")[1]]))
 
 
 @requires_kernel

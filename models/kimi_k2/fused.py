@@ -17,7 +17,7 @@ from torch_kdtree.ops import gemv as fused_gemv
 from torch_kdtree.ops import int4_moe, mla_decode, mla_prepare, mla_tree_attention, mla_tree_attention_output
 from torch_kdtree.ops import moe_gemv, moe_route
 
-from .gemv import linear, matvec, products_as_matvec
+from .gemv import linear, linears, matvec, products_as_matvec
 from .moe import rank_topk
 from .plan import LayerPlan
 
@@ -37,11 +37,11 @@ def _projections(attn, x, norm, mv):
         if not hasattr(attn, "q_proj"):
             (q,) = fused_gemv(q, [attn.q_b_proj.weight], attn.q_a_layernorm.weight, attn.q_a_layernorm.eps)
         return q, ckv
-    if hasattr(attn, "q_proj"):
-        q = linear(attn.q_proj, x, mv)
-    else:
-        q = linear(attn.q_b_proj, attn.q_a_layernorm(linear(attn.q_a_proj, x, mv)), mv)
-    return q, linear(attn.kv_a_proj_with_mqa, x, mv)
+    first = attn.q_proj if hasattr(attn, "q_proj") else attn.q_a_proj
+    q, ckv = linears([first, attn.kv_a_proj_with_mqa], x, mv)
+    if not hasattr(attn, "q_proj"):
+        q = linear(attn.q_b_proj, attn.q_a_layernorm(q), mv)
+    return q, ckv
 
 
 def _o_proj(attn, out, residual, mv):
@@ -109,7 +109,8 @@ def attention(attn, lp: LayerPlan, x, cos, sin, batch, layer_idx: int, norm=None
 
 def mlp(module, x, mv):
     """``down(silu(gate(x)) * up(x))`` with the linears in form ``mv`` (a LayerPlan's ``linear_form``)."""
-    return linear(module.down_proj, F.silu(linear(module.gate_proj, x, mv)) * linear(module.up_proj, x, mv), mv)
+    gate, up = linears([module.gate_proj, module.up_proj], x, mv)
+    return linear(module.down_proj, F.silu(gate) * up, mv)
 
 
 def mlp_gemv_norm(module, h, norm, add_residual: bool = True):

@@ -46,4 +46,16 @@ def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
     return module(x)
 
 
-__all__ = ["linear", "matvec", "products_as_matvec", "GEMV_MAX_WEIGHT"]
+def linears(modules, x: torch.Tensor, form=False) -> list[torch.Tensor]:
+    """``[linear(m, x, form) for m in modules]`` for linears that read the same ``x``; in the "rows"
+    form, where kdtree::gemm_rows takes every one of them (bf16 weights without bias, rows and K
+    that pay), in one launch (q_a and kv_a; gate and up: one launch fewer, one split choice for their
+    tiles together)."""
+    k = x.shape[-1]
+    if (form == "rows" and gemm_rows_pays(x.numel() // max(1, k), k)
+            and all(m.bias is None and m.weight.is_contiguous() and m.weight.dtype == x.dtype for m in modules)):
+        return gemm_rows(x, [m.weight for m in modules])
+    return [linear(m, x, form) for m in modules]
+
+
+__all__ = ["linear", "linears", "matvec", "products_as_matvec", "GEMV_MAX_WEIGHT"]

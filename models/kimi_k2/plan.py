@@ -36,7 +36,8 @@ Field values:
 - ``matvec``: decode-sized compiled CUDA passes write the small projections as multiply + sum
   (one inductor reduction kernel each, :mod:`.gemv`).
 - ``gemm_rows``: tree-sized bf16 passes (``gemm_rows_pays``: 5-16 rows, and 17-20 rows for the
-  linears of K >= 4096) run their linear layers through ``kdtree::gemm_rows``, which streams each weight once through tensor cores where a
+  linears of K >= 4096) run their linear layers through ``kdtree::gemm_rows`` (q_a and kv_a, gate
+  and up: one launch each pair), which streams each weight once through tensor cores where a
   cuBLAS GEMM of 5-17 rows read it at 0.3-0.5 of the bandwidth inside a step (bench/RESULTS.md run 178).
 """
 from __future__ import annotations

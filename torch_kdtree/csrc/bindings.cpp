@@ -132,8 +132,9 @@ TORCH_LIBRARY(kdtree, m) {
         " Tensor? residual=None, int fp32_outputs=0, bool return_input=False) -> Tensor[]");
 
   // ---- tree-sized linear layers (ops/gemm_rows.py, csrc/gemm_rows.cu) ----
-  // y = x @ weight.T for x [M <= 32, K] and weight [N, K]: the weight streamed once through tensor cores.
-  m.def("gemm_rows(Tensor x, Tensor weight) -> Tensor");
+  // y_i = x @ weights[i].T for x [M <= 32, K] and up to 3 weights [N_i, K] in one launch: each weight
+  // streamed once through tensor cores.
+  m.def("gemm_rows(Tensor x, Tensor[] weights) -> Tensor[]");
 
 #ifdef KDTREE_TRACE
   // A diagnostic build's kernel phase stamps (csrc/trace.cuh; mode 1 zeroes them): stamps [records,
