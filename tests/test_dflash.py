@@ -797,6 +797,40 @@ def test_cuda_live_slots_attention_equals_masked_sdpa(slots, used, fresh_seed):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
+def test_drafter_linears_that_read_one_input_share_a_gemm_rows_launch(monkeypatch, fresh_seed):
+    """With rows_gemm, q / k / v (one input) run as one gemm_rows launch of three weights, gate / up as
+    one of two, the others alone, and the draft is the nn.Linear draft's; a hook on a linear keeps it
+    out of the shared launch."""
+    from torch_kdtree.models.dflash import modeling
+    from torch_kdtree.ops import gemm_rows_pays
+
+    model = random_drafter(seed=fresh_seed, dtype=torch.float32)
+    embed, head = make_target(fresh_seed)
+    model.bind_target(embed, head)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    taps = torch.randn(2, 12, model.config.num_taps * H, generator=gen)  # an append of 24 rows: cuBLAS
+    lengths, roots = torch.tensor([12, 5]), torch.tensor([1, 2])
+    assert gemm_rows_pays(2 * model.block_size, H) and not gemm_rows_pays(24, H)
+    sizes = []
+    real = modeling.gemm_rows
+    monkeypatch.setattr(modeling, "gemm_rows", lambda x, w: sizes.append(len(w) if isinstance(w, list) else 1)
+                        or real(x, w))
+    with torch.no_grad():
+        model.rows_gemm = False
+        want = draft_one_shot(model, taps, lengths, roots)
+        model.rows_gemm = True
+        got = draft_one_shot(model, taps, lengths, roots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    layers = len(model.layers)
+    assert sizes.count(3) == layers and sizes.count(2) == layers  # the block's q + k + v, gate + up
+    assert sizes.count(1) == 2 * layers  # its o_proj and down_proj
+    sizes.clear()
+    model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: None)
+    with torch.no_grad():
+        torch.testing.assert_close(draft_one_shot(model, taps, lengths, roots), want, rtol=1e-5, atol=1e-5)
+    assert sizes.count(3) == layers - 1
+
+
 @pytest.mark.parametrize("requests", [1, 2, 5])
 def test_drafter_linears_through_gemm_rows_equal_nn_linear(requests, fresh_seed):
     """rows_gemm=True makes the drafter's own linears RowsLinear (same state dict, same outputs):

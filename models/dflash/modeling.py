@@ -216,12 +216,23 @@ class RowsLinear(nn.Linear):
     swap on the drafter's own linears (:meth:`DFlashDraftModel.setup_cache`): state, hooks (a
     tensor-parallel rank's reductions) and checkpoints are the nn.Linear's."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether this call goes through kdtree::gemm_rows (rows and K that pay, no bias, x's dtype)."""
         w = self.weight
-        if (gemm_rows_pays(x.numel() // max(1, x.shape[-1]), x.shape[-1]) and self.bias is None and w.is_contiguous()
-                and x.dtype == w.dtype):
-            return gemm_rows(x, w)
-        return F.linear(x, w, self.bias)
+        return (gemm_rows_pays(x.numel() // max(1, x.shape[-1]), x.shape[-1]) and self.bias is None
+                and w.is_contiguous() and x.dtype == w.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm_rows(x, self.weight) if self.takes(x) else F.linear(x, self.weight, self.bias)
+
+
+def _project(modules, x: torch.Tensor) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``: linears that read the same x; RowsLinear ones that gemm_rows takes
+    (and that carry no hooks) share one launch (q, k and v; gate and up)."""
+    if all(type(m) is RowsLinear and m.takes(x) and not (m._forward_hooks or m._forward_pre_hooks)
+           for m in modules):
+        return gemm_rows(x, [m.weight for m in modules])
+    return [m(x) for m in modules]
 
 
 class DFlashAttention(nn.Module):
@@ -238,10 +249,12 @@ class DFlashAttention(nn.Module):
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (k_norm, then RoPE) and raw values of x [R, T, H] -> [R, T, Hkv, D] each."""
-        r, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(r, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
-        return _apply_rope(k, cos, sin), v
+        return self._key_value(*_project([self.k_proj, self.v_proj], x), cos, sin)
+
+    def _key_value(self, k, v, cos, sin):
+        r, t, _ = k.shape
+        k = self.k_norm(k.view(r, t, self.num_kv_heads, self.head_dim))
+        return _apply_rope(k, cos, sin), v.view(r, t, self.num_kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, cache_k, cache_v, layer, rows, slots, key_mask, used=None):
         """Block queries attend to every visible slot of layer ``layer``'s cache after the block's
@@ -249,9 +262,9 @@ class DFlashAttention(nn.Module):
         one index_put_ on the whole tensor: under torch.compile a write through the layer's view
         made inductor copy the layer's cache out and back in every step); key_mask bool [R, 1, 1, S]."""
         r, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(r, t, self.num_heads, self.head_dim))
-        q = _apply_rope(q, cos, sin)
-        k, v = self.key_value(x, cos, sin)
+        q, k, v = _project([self.q_proj, self.k_proj, self.v_proj], x)
+        q = _apply_rope(self.q_norm(q.view(r, t, self.num_heads, self.head_dim)), cos, sin)
+        k, v = self._key_value(k, v, cos, sin)
         at = (torch.full_like(rows, layer), rows, slots)
         cache_k.index_put_(at, k)
         cache_v.index_put_(at, v)
@@ -281,7 +294,8 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = _project([self.gate_proj, self.up_proj], x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DFlashDecoderLayer(nn.Module):
