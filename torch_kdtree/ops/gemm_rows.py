@@ -34,6 +34,7 @@ def gemm_rows_pays(rows: int, k: int | None = None) -> bool:
     lo, hi, min_k = PAYS_ROWS_LONG_K
     return lo <= rows <= hi and (k is None or k >= min_k)
 
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WEIGHTS = 3  # weights sharing one x in one launch (q_a + kv_a; gate + up; q + k + v)
 
