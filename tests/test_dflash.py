@@ -802,6 +802,7 @@ def test_drafter_linears_that_read_one_input_share_a_gemm_rows_launch(monkeypatc
     one of two, the others alone, and the draft is the nn.Linear draft's; a hook on a linear keeps it
     out of the shared launch."""
     from torch_kdtree.models.dflash import modeling
+    from torch_kdtree.models.kimi_k2 import gemv
     from torch_kdtree.ops import gemm_rows_pays
 
     model = random_drafter(seed=fresh_seed, dtype=torch.float32)
@@ -813,8 +814,9 @@ def test_drafter_linears_that_read_one_input_share_a_gemm_rows_launch(monkeypatc
     assert gemm_rows_pays(2 * model.block_size, H) and not gemm_rows_pays(24, H)
     sizes = []
     real = modeling.gemm_rows
-    monkeypatch.setattr(modeling, "gemm_rows", lambda x, w: sizes.append(len(w) if isinstance(w, list) else 1)
-                        or real(x, w))
+    spy = lambda x, w: sizes.append(len(w) if isinstance(w, list) else 1) or real(x, w)  # noqa: E731
+    monkeypatch.setattr(modeling, "gemm_rows", spy)  # RowsLinear's own calls
+    monkeypatch.setattr(gemv, "gemm_rows", spy)      # the shared launches (kimi_k2.gemv.linears)
     with torch.no_grad():
         model.rows_gemm = False
         want = draft_one_shot(model, taps, lengths, roots)

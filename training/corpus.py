@@ -20,6 +20,8 @@ library root and a SHA-256 over every (path, content) pair in order.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
 import re
 import sys
@@ -142,11 +144,19 @@ PACKAGE_MAX_FILE_BYTES = 1_000_000  # larger .py files are data tables (generate
 PACKAGE_PREFIX = "site/"
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict:
+    """Top-level package -> distributions (importlib.metadata scans every installed one: once)."""
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
 def package_license(name: str) -> tuple[str | None, str]:
     """(the distribution's licence text from its metadata, "" when permissive, else why not)."""
     from importlib import metadata
 
-    dists = metadata.packages_distributions().get(name)
+    dists = _distributions().get(name)
     if not dists:
         return None, "not installed"
     meta = metadata.metadata(dists[0])
@@ -197,14 +207,12 @@ def package_files(names, limit_bytes: int | None = None) -> tuple[list[SourceFil
             text = _source_text(p)
             if text is not None:
                 kept.append(SourceFile(f"{PACKAGE_PREFIX}{name}/{rel}", text))
-        dist = metadata.packages_distributions()[name][0]
+        dist = _distributions()[name][0]
         records.append({"package": name, "distribution": dist, "version": metadata.version(dist),
                         "license": licence, "files": len(kept), "bytes": sum(len(f.text.encode()) for f in kept)})
         files += kept
     files = _hashed_subset(files, limit_bytes)
-    used = {}
-    for f in files:
-        used[f.path.split("/")[1]] = used.get(f.path.split("/")[1], 0) + 1
+    used = collections.Counter(f.path.split("/")[1] for f in files)
     for r in records:
         if "files" in r:
             r["files_used"] = used.get(r["package"], 0)

@@ -29,10 +29,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from torch_kdtree.ops import gemm_rows, gemm_rows_pays
+from torch_kdtree.ops import gemm_rows
 from torch_kdtree.ops._checks import value_checks_active
 
 from ..kimi_k2.checkpoint_files import SAFETENSORS_DTYPES, read_safetensors_header
+from ..kimi_k2.gemv import gemm_rows_takes, linears
 from .configuration import DFlashConfig, rope_inv_freq
 
 WEIGHTS_NAME = "model.safetensors"
@@ -216,22 +217,19 @@ class RowsLinear(nn.Linear):
     swap on the drafter's own linears (:meth:`DFlashDraftModel.setup_cache`): state, hooks (a
     tensor-parallel rank's reductions) and checkpoints are the nn.Linear's."""
 
-    def takes(self, x: torch.Tensor) -> bool:
-        """Whether this call goes through kdtree::gemm_rows (rows and K that pay, no bias, x's dtype)."""
-        w = self.weight
-        return (gemm_rows_pays(x.numel() // max(1, x.shape[-1]), x.shape[-1]) and self.bias is None
-                and w.is_contiguous() and x.dtype == w.dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_rows(x, self.weight) if self.takes(x) else F.linear(x, self.weight, self.bias)
+        if self.bias is None and gemm_rows_takes(self.weight, x):
+            return gemm_rows(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _project(modules, x: torch.Tensor) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]``: linears that read the same x; RowsLinear ones that gemm_rows takes
-    (and that carry no hooks) share one launch (q, k and v; gate and up)."""
-    if all(type(m) is RowsLinear and m.takes(x) and not (m._forward_hooks or m._forward_pre_hooks)
+    """``[m(x) for m in modules]``: linears that read the same x; bias-free RowsLinear ones without
+    hooks go through the target's ``linears`` in the "rows" form, so those gemm_rows takes share one
+    launch (q, k and v; gate and up)."""
+    if all(type(m) is RowsLinear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks)
            for m in modules):
-        return gemm_rows(x, [m.weight for m in modules])
+        return linears(modules, x, "rows")
     return [m(x) for m in modules]
 
 

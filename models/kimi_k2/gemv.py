@@ -28,6 +28,13 @@ def products_as_matvec(form, weight: torch.Tensor) -> bool:
     return form in (True, "matvec") and weight.numel() <= GEMV_MAX_WEIGHT
 
 
+def gemm_rows_takes(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` goes through kdtree::gemm_rows in the "rows" form: rows and K that
+    pay (``gemm_rows_pays``), a contiguous weight of x's dtype."""
+    k = weight.shape[-1]
+    return gemm_rows_pays(x.numel() // max(1, k), k) and weight.is_contiguous() and weight.dtype == x.dtype
+
+
 def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
     """``module(x)``; with ``form`` True / "matvec" the same product as an fp32 multiply + sum (one
     fused reduction kernel under inductor), rounded to x's dtype like the GEMM; with "rows" through
@@ -38,9 +45,7 @@ def linear(module: nn.Linear, x: torch.Tensor, form=False) -> torch.Tensor:
         if module.bias is not None:
             y = y + module.bias.float()
         return y.to(x.dtype)
-    k = module.weight.shape[-1]
-    if (form == "rows" and gemm_rows_pays(x.numel() // max(1, k), k) and module.weight.is_contiguous()
-            and module.weight.dtype == x.dtype):
+    if form == "rows" and gemm_rows_takes(module.weight, x):
         y = gemm_rows(x, module.weight)
         return y if module.bias is None else y + module.bias
     return module(x)
@@ -51,11 +56,9 @@ def linears(modules, x: torch.Tensor, form=False) -> list[torch.Tensor]:
     form, where kdtree::gemm_rows takes every one of them (bf16 weights without bias, rows and K
     that pay), in one launch (q_a and kv_a; gate and up: one launch fewer, one split choice for their
     tiles together)."""
-    k = x.shape[-1]
-    if (form == "rows" and gemm_rows_pays(x.numel() // max(1, k), k)
-            and all(m.bias is None and m.weight.is_contiguous() and m.weight.dtype == x.dtype for m in modules)):
+    if form == "rows" and all(m.bias is None and gemm_rows_takes(m.weight, x) for m in modules):
         return gemm_rows(x, [m.weight for m in modules])
     return [linear(m, x, form) for m in modules]
 
 
-__all__ = ["linear", "linears", "matvec", "products_as_matvec", "GEMV_MAX_WEIGHT"]
+__all__ = ["linear", "linears", "gemm_rows_takes", "matvec", "products_as_matvec", "GEMV_MAX_WEIGHT"]
