@@ -46,8 +46,10 @@
 // chunks through e4m3x4_to_bf16x4 (PRMT / shift / mask puts each code's bits in a bf16 as
 // value·2^-120, two bf16 multiplies by 2^120 and by the scale; an e4m3 value times a power of two is
 // exact in bf16), the 8 rope chunks stored as they are (already bf16); and the S = Q·Kᵀ / P·V code
-// runs on that tile unchanged.  So an fp8 call gives the same bits as a bf16 call on the dequantised
-// cache (same tiles and splits: they depend on shapes only).  The rope stays bf16 because e4m3's 3
+// runs on that tile unchanged.  So an fp8 call of N·H <= 16 rows gives the same bits as a bf16 call on
+// the dequantised cache (both the 16-row tile; splits depend on shapes only); above 16 rows bf16 takes
+// the 64-row tile and fp8 cannot (below), so the two agree to bf16 rounding only and the fp8 call is
+// slower (run 188, H200: 0.41-0.65x bf16's speed at N·H >= 64).  The rope stays bf16 because e4m3's 3
 // mantissa bits, which move each value by up to 2^-4 of itself, cost the shipped pair 1.3 % of its
 // greedy tokens when the rope went through them too (cache.py).
 //   Staging: the ring holds STAGES fp8 stages (BN·640 B rows + BN·4 B scales) beside one bf16 tile.
