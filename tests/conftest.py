@@ -19,6 +19,12 @@ def requires_cuda_kernel(op: str):
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 on the CPU (the ops' tolerance measure)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
 def devices():
     """CPU always; CUDA when a device and the kernels are present."""
     return ["cpu"] + (["cuda"] if HAS_CUDA else [])

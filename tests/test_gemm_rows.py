@@ -6,14 +6,10 @@ compiled fullgraph step."""
 import pytest
 import torch
 
-from .conftest import requires_cuda_kernel
+from .conftest import rel_err, requires_cuda_kernel
 from torch_kdtree.ops import gemm_rows, gemm_rows_reference
 
 requires_kernel = requires_cuda_kernel("kdtree::gemm_rows")
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def case(gen, M, K, N, dtype=torch.float32, device="cpu"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import cuda_kernels_run, requires_cuda_kernel
+from .conftest import cuda_kernels_run, rel_err, requires_cuda_kernel
 from torch_kdtree.ops import gemv, gemv_reference
 
 requires_kernel = requires_cuda_kernel("kdtree::gemv")
@@ -59,11 +59,6 @@ def oracle(x, weights, norm_weight=None, eps=1e-6, up=None, residual=None, fp32_
     if return_input:
         outs.append(torch.stack([prologue(m) for m in range(x.shape[0])]))
     return outs
-
-
-def rel_err(got, want):
-    got, want = got.double().cpu(), want.double().cpu()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import requires_cuda
+from .conftest import rel_err, requires_cuda
 from torch_kdtree.ops import (Int4MoEWeights, int4_dequantize, int4_moe, int4_moe_out, int4_moe_plan,
                               int4_moe_reference, int4_moe_weights, int4_moe_workspace, int4_repack, int4_unpack,
                               pdl)
@@ -70,11 +70,6 @@ def moe_oracle(x, gate, up, down, ids, w, group, expert_map=None):
             u = Wu[e] @ x[t]
             out[t] += float(w[t, j]) * (Wd[e] @ (g * torch.sigmoid(g) * u))
     return out
-
-
-def rel_err(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def weights_of(gate, up, down, group, device="cpu"):

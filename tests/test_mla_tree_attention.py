@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import requires_cuda
+from .conftest import rel_err, requires_cuda
 from torch_kdtree.models.kimi_k2.cache import fp8_quantize
 from torch_kdtree.ops.mla import fp8_rows_to_keys
 from torch_kdtree.ops import ddtree_build, mla_tree_attention
@@ -115,11 +115,6 @@ def oracle(q, visible, logical, lens, scale):
             lse[r, i] = torch.logsumexp(s, -1)
             out[r, i] = torch.softmax(s, -1) @ keys[:, :DV]
     return out, lse
-
-
-def rel_err(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------

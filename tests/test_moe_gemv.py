@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import requires_cuda_kernel
+from .conftest import rel_err, requires_cuda_kernel
 from torch_kdtree.ops import gemv, moe_gemv, moe_gemv_reference, moe_route, value_checks
 
 requires_kernel = requires_cuda_kernel("kdtree::moe_gemv")
@@ -56,11 +56,6 @@ def oracle(x, gate, up, down, ids, w, shared_gate=None, shared_up=None, shared_d
             u = rnd((shared_up.double().cpu() * xt).sum(-1))
             out[t] += (shared_down.double().cpu() * rnd(g / (1 + torch.exp(-g)) * u)).sum(-1)
     return out
-
-
-def rel_err(got, want):
-    got, want = got.double().cpu(), want.double().cpu()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 # --------------------------------------------------------------------------------------------

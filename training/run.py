@@ -14,28 +14,15 @@ metrics.json and the model card (README.md).  ``--out`` receives ``target/``, ``
 ``README.md``, ``metrics.json``, ``manifest.json`` and ``prompts.json`` (the main job's held-out
 prompts) only once everything has succeeded.
 
-Time on one H200, FULL recipe — an estimate, not a measurement (no GPU run has happened yet;
-replace these lines with the first run's measured phase times, which metrics.json records):
-
-- corpus and tokenizer: the standard library (29 MB here, 8.1 MB on the device, which lacks its test
-  package) plus ~64 MB of package sources: 90 MB read and filtered in 3.1 s, BPE to 4096 tokens in
-  8.0 s on a 2-core CPU here (3.41 bytes a token: ~26 M training tokens), encoding them ~1-2 min here,
-  a few seconds on 16 cores: ~0.3 min on the device.
-- target: 18.7 M parameters (12.6 M in routed experts), 6.7 M multiplied per token, so
-  ~40 MFLOP/token for forward + backward plus ~16 MFLOP/token of attention over 512 positions:
-  ~1.8 TFLOP per 32,768-token step.  Matrices this narrow (hidden 256) and the looped experts
-  (32 experts x 4 MoE layers, forward and backward: ~3,000 launches and 128 host syncs a step) are
-  bound by launches, not FLOPs: assumed 60-100 ms a step, i.e. 330-550 K tokens/s, so the 2,500
-  planned steps (82 M tokens, ~10 passes over the training split) take ~2.5-4.2 min; the
-  schedule stops at 4.5 min whatever the speed.
-- QAT: 300 such steps, ~0.3-0.5 min (cap 0.75 min).
-- continuations: 2,048 prompts x 448 new tokens in generate's CUDA graphs, 256 requests a call,
-  no inductor compile (run 174: 3.2 s for 192 new tokens): ~0.2 min with the taps' prefill.
-- drafter: 1,500 steps of 64 sequences x 32 blocks of 8 over a 512-token context (run 174: 34.6 s
-  over 256-token contexts): ~1-1.5 min (cap 1.5 min).
-- held-out evaluation (~0.3 M tokens through three models, 64 continuations, the 8 x 256-token
-  DDTree check): ~0.5 min.
-Total ~6-8 min, within the 10-minute budget with the caps as the backstop.
+Time on one H200, FULL recipe with pre-training capped at 3.0 min, measured (run 187, bench/RESULTS.md,
+the card shared with the GPU test suite; metrics.json records each run's phases): corpus 4 s (4,117
+files, 70 MB: the stdlib without its test package plus ten packages' sources), tokenizer 15 s (21.3 M
+training tokens), pre-training 184 s (496 steps of 32,768 tokens: 90 k tokens/s, 141 k before the tests
+started; the experts then looped: a host sync and three GEMMs per expert in use forward, and as many
+GEMMs again backward), QAT 46 s, export 7 s, continuations 5.7 s (2,048 x 448 tokens), drafter 42 s, checks 4 s:
+308 s in all.  The routed experts now train through ``grouped_padded`` on CUDA (three bf16 grouped
+GEMMs a layer, no host sync; target.expert_form): its speed-up is not measured yet.  The pre-training
+time cap is what bounds the target (run 187: under one pass of the corpus).
 """
 from __future__ import annotations
 
@@ -75,7 +62,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "looped",
+def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
         log=_print) -> dict:
     """Run the whole pipeline with ``recipe`` on ``device``; write the pair to ``out``; return the metrics."""
     from torch_kdtree.models.dflash import DFlashDraftModel
@@ -254,6 +241,7 @@ def _publish(work: Path, out: Path) -> None:
 
 
 def main(argv=None) -> dict:
+    from . import target
     ap = argparse.ArgumentParser(prog="python -m training.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output directory (default: models/default_pair, or build/toy_pair "
@@ -264,8 +252,9 @@ def main(argv=None) -> dict:
                     help="the full recipe's sizes (models, corpus, tokenizer, generate batch) with a few steps per "
                          "phase: the whole pipeline end to end in minutes, to check it before a GPU run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--experts", choices=("looped", "gathered"), default="looped",
-                    help="training form of the routed experts (target.training_plan)")
+    ap.add_argument("--experts", choices=target.EXPERT_FORMS, default="auto",
+                    help="training form of the routed experts (target.training_plan; auto: grouped_padded on "
+                         "CUDA, looped on the CPU)")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's target pre-training steps")
     ap.add_argument("--minutes", type=float, default=None, help="override the recipe's pre-training time cap")
     ap.add_argument("--threads", type=int, default=None,

@@ -3,8 +3,9 @@
 The kdtree ops have no autograd (``moe_route``'s choice, ``int4_moe``, the decode kernels), so a
 training pass runs a :class:`~torch_kdtree.models.kimi_k2.plan.PassPlan` whose layers all take
 torch forms: the prefill's expanded attention, the router's logits as a linear, ``topk`` for the
-choice (the weights stay differentiable through the sigmoid scores), and dense routed experts
-looped over the experts in use (:func:`training_plan`, the one switch).  The routed experts train
+choice (the weights stay differentiable through the sigmoid scores), and dense routed experts as
+bf16 grouped GEMMs on CUDA or looped over the experts in use on the CPU (:func:`training_plan`,
+:func:`expert_form`: the one switch).  The routed experts train
 dense; QAT (quant.py) fake-quantises them at the end.  On CUDA the step runs under bf16 autocast
 over fp32 weights, which also makes the router's logits a bf16 GEMM in training (inference keeps
 fp32 logits); the routing bias stays fp32.
@@ -51,14 +52,28 @@ def moe_blocks(model) -> list:
     return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
 
 
+EXPERT_FORMS = ("auto", "grouped_padded", "looped", "gathered")
+
+
+def expert_form(experts: str, device) -> str:
+    """``"auto"``: ``"grouped_padded"`` on CUDA (bf16 grouped GEMMs, no host sync), ``"looped"``
+    elsewhere (fp32 on the CPU, where ``grouped_mm`` computes in bf16 only); else ``experts``."""
+    if experts not in EXPERT_FORMS:
+        raise ValueError(f"training: experts must be one of {', '.join(EXPERT_FORMS)}, got {experts!r}")
+    if experts == "auto":
+        return "grouped_padded" if torch.device(device).type == "cuda" else "looped"
+    return experts
+
+
 def training_plan(model, R: int, T: int, experts: str = "looped") -> PassPlan:
     """The plan of a differentiable prefill of R x T tokens: every layer's reference forward
-    (expanded attention, linear router logits, ``topk``) with the routed experts ``"looped"`` over
-    the experts in use (the default: one GEMM per expert, no weight copies) or ``"gathered"`` per
-    (token, slot), the experts' own forward (fixed shapes, but a weight copy per slot and a slow
-    scatter in the backward)."""
-    if experts not in ("gathered", "looped"):
-        raise ValueError(f"training_plan: experts must be 'gathered' or 'looped', got {experts!r}")
+    (expanded attention, linear router logits, ``topk``) with the routed experts
+    ``"grouped_padded"`` (models/kimi_k2/fused.py: three bf16 grouped GEMMs over rows sorted by
+    expert, no host sync; the CUDA default), ``"looped"`` over the experts in use (one GEMM per
+    expert, no weight copies; the CPU default, any dtype) or ``"gathered"`` per (token, slot), the
+    experts' own forward (fixed shapes, but a weight copy per slot and a slow scatter in the
+    backward); ``"auto"`` chooses by the model's device (:func:`expert_form`)."""
+    experts = expert_form(experts, model.model.embed_tokens.weight.device)
     plan = model.model.plan_pass(R, T, tree=False).reference()
     return replace(plan, layers=tuple(replace(lp, experts=experts) if lp.experts else lp for lp in plan.layers))
 
@@ -137,7 +152,7 @@ def next_token_loss(model, inputs, targets, plan) -> torch.Tensor:
 
 
 def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps: int, weight_decay: float,
-          bias_update_speed: float, experts: str = "looped", qat: bool = False, log=print, log_every: int = 50,
+          bias_update_speed: float, experts: str = "auto", qat: bool = False, log=print, log_every: int = 50,
           label: str = "target") -> dict:
     """Train ``model`` on ``batches`` (an iterator of (inputs, targets) [R, T]) for ``steps`` or
     ``minutes``, whichever ends first (the learning rate follows the further of the two); with
@@ -196,5 +211,5 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             "experts": plan.layers[-1].experts if plan is not None else None}
 
 
-__all__ = ["target_config", "build_target", "training_plan", "ExpertLoad", "update_routing_bias", "train",
+__all__ = ["target_config", "build_target", "training_plan", "expert_form", "EXPERT_FORMS", "ExpertLoad", "update_routing_bias", "train",
            "next_token_loss", "autocast", "moe_blocks"]

@@ -145,6 +145,8 @@ def experts(module, how: str, x, topk_ids, topk_weights):
         return _grouped(module, x, topk_ids, topk_weights)
     if how == "looped":
         return module.looped(x, topk_ids, topk_weights)
+    if how == "grouped_padded":
+        return grouped_padded(module, x, topk_ids, topk_weights)
     return module(x, topk_ids, topk_weights)  # the reference: int4_moe, or the gathered weights
 
 
@@ -195,6 +197,43 @@ def _grouped(module, x, topk_ids, topk_weights):
     y_sorted = _grouped_mm(h, module.down_proj.transpose(1, 2), offs=offs)
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
     return (y.view(T, k, -1).float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
+GROUP_ALIGN = 8  # rows: each expert's group of a grouped_padded buffer starts at a multiple of this
+
+
+def grouped_padded(module, x, topk_ids, topk_weights):
+    """The dense routed experts for training: differentiable, no host sync, three bf16
+    ``grouped_mm`` launches forward (``looped``'s loop costs two host syncs and three GEMMs per expert
+    in use, and as many again backward).  The (token, slot) rows are sorted by expert into a buffer
+    of static size in which every expert's group starts at a multiple of ``GROUP_ALIGN`` rows (the
+    backward's weight gradients take the groups as the reduced dimension of a GEMM, whose operands
+    stay 16-byte aligned so) and the last group runs to the buffer's end (rows past the last offset
+    are left unwritten, their gradients too); padding rows gather a zero row.  The GEMMs run in
+    bf16, the dtype ``grouped_mm`` computes in on the GPU; the slots are weighted in fp32, as
+    ``looped`` does, and the result has x's dtype."""
+    T, k = topk_ids.shape
+    E, _, H = module.gate_proj.shape
+    n = T * k
+    size = -(-(n + E * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN
+    dev = x.device
+    flat = topk_ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    e_sorted = flat[order]
+    # buffer row of the i-th sorted slot: its expert's group start + its rank within the expert
+    row_sorted = (padded.cumsum(0) - padded)[e_sorted] + torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[e_sorted]
+    row = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)  # buffer row of slot j (token j // k)
+    src = torch.full((size,), T, dtype=torch.long, device=dev).scatter_(0, row, torch.arange(n, device=dev) // k)
+    offs = padded.cumsum(0).to(torch.int32)
+    offs[-1] = size
+    bf = torch.bfloat16
+    rows = torch.cat([x, x.new_zeros(1, H)])[src].to(bf)  # gathered in x's dtype: the backward sums k slots there
+    gate = _grouped_mm(rows, module.gate_proj.to(bf).transpose(1, 2), offs=offs)
+    up = _grouped_mm(rows, module.up_proj.to(bf).transpose(1, 2), offs=offs)
+    y = _grouped_mm(F.silu(gate) * up, module.down_proj.to(bf).transpose(1, 2), offs=offs)
+    return (y[row].view(T, k, H).float() * topk_weights[..., None]).sum(1).to(x.dtype)
 
 
 def _row_gemv(module, x, topk_ids, topk_weights):

@@ -30,7 +30,8 @@ Field values:
   values), ``linear`` (fp32 upcast), or ``module`` (the router called as a module: it is hooked).
 - ``route``: the expert choice: ``moe_route`` (``kdtree::moe_route``), ``rank_topk`` (a fused
   comparison count, compiled on CUDA) or ``topk``.
-- ``experts``: ``int4_moe``, ``moe_gemv``, ``row_gemv``, ``grouped_mm``, ``gathered``, ``looped``.
+- ``experts``: ``int4_moe``, ``moe_gemv``, ``row_gemv``, ``grouped_mm``, ``gathered``, ``looped``,
+  ``grouped_padded`` (training only: differentiable bf16 grouped GEMMs, training/target.py).
 - ``shared``: ``fused`` (the shared expert and the residual add inside the experts' launches),
   ``torch`` or ``none``.
 - ``matvec``: decode-sized compiled CUDA passes write the small projections as multiply + sum
