@@ -254,6 +254,47 @@ def test_training_steps_through_grouped_padded_experts_lower_the_loss():
     assert result["loss_last"] < 0.8 * result["loss_first"]
 
 
+def test_pretraining_split_over_calls_resumes_where_it_stopped(tmp_path):
+    """The toy pipeline's pre-training in two calls (a lent GPU's ten-minute calls): the first stops
+    early, writes no pair and leaves a checkpoint (safetensors and JSON) whose optimizer has taken as
+    many steps as the schedule; the second resumes it -- no corpus or tokenizer phase, the schedule's
+    remaining steps only -- and finishes the pipeline with a pair that loads."""
+    from training import checkpoint
+    from training.run import run
+
+    ck, out, lines = tmp_path / "ck", tmp_path / "pair", []
+    first = run(recipes.TOY, out, "cpu", checkpoint=ck, call_minutes=0.001, log=lines.append)
+    assert first["finished"] is False and not out.exists()
+    assert sorted(p.name for p in ck.iterdir()) == sorted(checkpoint.FILES)
+    meta = json.loads((ck / "state.json").read_text())
+    assert 1 <= meta["steps"] < recipes.TOY.steps and meta["calls"] == 1 and len(meta["losses"]) == meta["steps"]
+    moments = checkpoint.load(ck)["state"]["optimizer"]["state"]
+    assert moments and all(int(per["step"]) == meta["steps"] for per in moments.values())
+    lines.clear()
+    metrics = run(recipes.TOY, out, "cpu", checkpoint=ck, resume=True, log=lines.append)
+    text = "\n".join(lines)
+    assert "resume from the checkpoint" in text and "] corpus" not in text and "] tokenizer" not in text
+    assert metrics["pretrain"]["steps"] == recipes.TOY.steps and metrics["pretrain"]["calls"] == 2
+    assert metrics["pretrain"]["finished"] and metrics["pretrain"]["loss_curve"][0] == pytest.approx(meta["losses"][0], abs=1e-4)
+    assert sum(1 for line in lines if "target step" in line) >= 1
+    assert KimiK2ForCausalLM.from_pretrained(out / "target", dtype=torch.float32).config.vocab_size == \
+        json.loads((out / "target" / "config.json").read_text())["vocab_size"]
+    assert json.loads((out / "manifest.json").read_text()) == json.loads(checkpoint.load(ck)["manifest"])
+    assert "over 2 calls resumed from a checkpoint" in (out / "README.md").read_text()
+
+
+def test_training_cli_refuses_a_resume_without_a_checkpoint(tmp_path, capsys):
+    from training.run import main
+
+    for argv, message in ((["--toy", "--resume"], "need --checkpoint"),
+                          (["--toy", "--call-minutes", "1"], "need --checkpoint"),
+                          (["--toy", "--resume", "--checkpoint", str(tmp_path / "none")], "is not a pre-training checkpoint"),
+                          (["--toy", "--call-minutes", "0", "--checkpoint", str(tmp_path)], "--call-minutes must be > 0")):
+        with pytest.raises(SystemExit):
+            main(argv + ["--out", str(tmp_path / "pair")])
+        assert message in capsys.readouterr().err, argv
+
+
 def test_heldout_split_is_a_fixed_function_of_the_path():
     files = [corpus.SourceFile(f"pkg/mod{i}.py", f"x = {i}\n") for i in range(400)]
     train, held = corpus.split(files, 0.1)

@@ -3,6 +3,8 @@ drafter, on the Python standard library, written in the formats real checkpoints
 
     python -m training.run --out models/default_pair --device cuda      # the full recipe, one H200
     python -m training.run --toy --out build/toy_pair                    # the toy recipe, CPU, < 1 min
+    python -m training.run --device cuda --minutes 12.5 --call-minutes 8 --checkpoint /tmp/ck   # then, in
+    python -m training.run --device cuda --resume --checkpoint /tmp/ck       # later calls (checkpoint.py)
 
 Phases (each prints its progress): corpus and held-out split (manifest.json) -> byte-level BPE
 tokenizer -> target pre-training (dense experts, aux-free balancing) -> QAT of the routed experts
@@ -63,8 +65,15 @@ def _print(line: str) -> None:
 
 
 def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
-        log=_print) -> dict:
-    """Run the whole pipeline with ``recipe`` on ``device``; write the pair to ``out``; return the metrics."""
+        log=_print, checkpoint: str | Path | None = None, resume: bool = False,
+        call_minutes: float | None = None) -> dict:
+    """Run the whole pipeline with ``recipe`` on ``device``; write the pair to ``out``; return the metrics.
+
+    Pre-training over several calls (training/checkpoint.py): ``call_minutes`` ends this call's
+    pre-training early; if its schedule is then unfinished, the state goes to ``checkpoint`` and the
+    call returns ``{"finished": False, ...}`` without writing ``out``.  ``resume`` starts from
+    ``checkpoint`` instead of the corpus (its corpus split, tokenizer, weights and optimizer)."""
+    from . import checkpoint as ckpt
     from torch_kdtree.models.dflash import DFlashDraftModel
     from torch_kdtree.models.kimi_k2 import KimiK2ForCausalLM
 
@@ -85,45 +94,75 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     clock = _Clock(log)
     log(describe(recipe))
 
-    clock.phase("corpus")
-    files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
-    packages = None
-    if recipe.packages:
-        extra, packages = corpus.package_files(recipe.packages, limit_bytes=recipe.package_bytes)
-        files = sorted(files + extra, key=lambda f: f.path)
-        for rec in packages:
-            log(f"  package {rec['package']}: " + (f"skipped ({rec['skipped']})" if "skipped" in rec else
-                f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
-    train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
-    manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
-    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    # held-out code prompts for the main job (python -m torch_kdtree.demo)
-    stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
-    prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
-                             "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
-    (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
-    log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
-        f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
-        f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
+    if resume:
+        clock.phase("resume from the checkpoint")
+        restored = ckpt.load(checkpoint)
+        raw, train_stream, heldout_stream = restored["raw_tokenizer"], restored["train_stream"], restored["heldout_stream"]
+        manifest_text, prompts_text, state = restored["manifest"], restored["prompts"], restored["state"]
+        manifest = json.loads(manifest_text)
+        (work / "manifest.json").write_text(manifest_text, encoding="utf-8")
+        (work / "prompts.json").write_text(prompts_text, encoding="utf-8")
+        tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
+        log(f"  {checkpoint}: call {state['calls'] + 1}, {state['steps']} steps, {state['tokens']:,} tokens, "
+            f"{state['seconds']:.1f} s of pre-training so far")
+    else:
+        state = None
+        clock.phase("corpus")
+        files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
+        packages = None
+        if recipe.packages:
+            extra, packages = corpus.package_files(recipe.packages, limit_bytes=recipe.package_bytes)
+            files = sorted(files + extra, key=lambda f: f.path)
+            for rec in packages:
+                log(f"  package {rec['package']}: " + (f"skipped ({rec['skipped']})" if "skipped" in rec else
+                    f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
+        train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
+        manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        # held-out code prompts for the main job (python -m torch_kdtree.demo)
+        stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
+        prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
+                                 "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
+        (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
+        log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
+            f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
+            f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
 
-    clock.phase("tokenizer")
-    raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
-    tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
+        clock.phase("tokenizer")
+        raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
+        tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
+        special = tk.special_ids(tokenizer)
+        train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
+        heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
+        log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
+            f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
+        manifest_text = (work / "manifest.json").read_text(encoding="utf-8")
+        prompts_text = (work / "prompts.json").read_text(encoding="utf-8")
     special = tk.special_ids(tokenizer)
     byte_lengths = tk.token_byte_lengths(tokenizer)
-    train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
-    heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
     scored_stream = heldout_stream[: recipe.eval_tokens + 1] if recipe.eval_tokens else heldout_stream
-    log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
-        f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
 
     clock.phase("target pre-training")
     model = build_target(recipe, len(tokenizer), seed, device)
-    batches = WindowSampler(train_stream, recipe.seq_len, recipe.batch_size, seed, device)
+    if resume:
+        ckpt.load_weights(checkpoint, model, device)
+    # a resumed call draws other windows than the calls before it (a seed offset by the steps so far)
+    batches = WindowSampler(train_stream, recipe.seq_len, recipe.batch_size, seed + (state["steps"] if state else 0),
+                            device)
     pretrain = train(model, batches, steps=recipe.steps, minutes=recipe.minutes, lr=recipe.lr,
                      warmup_steps=recipe.warmup_steps, weight_decay=recipe.weight_decay,
                      bias_update_speed=recipe.bias_update_speed, experts=experts, log=log,
-                     log_every=recipe.log_every, label="target")
+                     log_every=recipe.log_every, label="target", call_minutes=call_minutes, resume=state)
+    if not pretrain["finished"]:  # this call's time is up before the schedule's: leave the state for the next
+        if checkpoint is None:
+            raise ValueError("run: call_minutes ended pre-training before its schedule, and no checkpoint was given")
+        ckpt.save(checkpoint, raw_tokenizer=raw, train_stream=train_stream, heldout_stream=heldout_stream,
+                  manifest=manifest_text, prompts=prompts_text, model=model, state=pretrain["state"], recipe=recipe)
+        shutil.rmtree(work, ignore_errors=True)
+        log(f"  pre-training continues in the next call: {pretrain['steps']} steps, {pretrain['tokens']:,} tokens, "
+            f"{pretrain['seconds']:.1f} s of {60 * recipe.minutes:.0f} so far, saved in {checkpoint}")
+        return {"finished": False, "checkpoint": str(checkpoint), "pretrain": _summary(pretrain),
+                "phase_seconds": clock.done()}
     held = {"bf16": bits_per_byte(bf16_copy(model), scored_stream, byte_lengths, recipe.seq_len, recipe.eval_batch)}
     log(f"  held-out bf16: {held['bf16']['bits_per_byte']:.4f} bits/byte")
 
@@ -214,7 +253,7 @@ def smoke(recipe):
 
 def _summary(log: dict) -> dict:
     losses = log.get("losses", [])
-    keep = {k: v for k, v in log.items() if k != "losses"}
+    keep = {k: v for k, v in log.items() if k not in ("losses", "state")}
     stride = max(1, len(losses) // 50)
     return {**keep, "loss_curve": [round(x, 4) for x in losses[::stride]]}
 
@@ -257,6 +296,13 @@ def main(argv=None) -> dict:
                          "CUDA, looped on the CPU)")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's target pre-training steps")
     ap.add_argument("--minutes", type=float, default=None, help="override the recipe's pre-training time cap")
+    ap.add_argument("--call-minutes", type=float, default=None,
+                    help="this call's share of pre-training (a GPU lent in ten-minute calls): when the schedule "
+                         "(--minutes in all) is not over by then, its state goes to --checkpoint and the call ends")
+    ap.add_argument("--checkpoint", default=None, help="the pre-training checkpoint directory (training/checkpoint.py)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the pre-training saved in --checkpoint (its corpus, tokenizer, weights, "
+                         "optimizer and schedule); the call that ends the schedule finishes the pipeline")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: 1 with --toy, whose matrices are too small for more; else torch's)")
     args = ap.parse_args(argv)
@@ -266,6 +312,10 @@ def main(argv=None) -> dict:
         ap.error("--steps must be >= 1")
     if args.minutes is not None and args.minutes <= 0:
         ap.error("--minutes must be > 0")
+    if args.call_minutes is not None and args.call_minutes <= 0:
+        ap.error("--call-minutes must be > 0")
+    if (args.call_minutes is not None or args.resume) and args.checkpoint is None:
+        ap.error("--call-minutes and --resume need --checkpoint DIR")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -286,8 +336,21 @@ def main(argv=None) -> dict:
         recipe = recipe.replace(steps=args.steps)
     if args.minutes is not None:
         recipe = recipe.replace(minutes=args.minutes)
+    if args.resume:  # the schedule is the checkpoint's: the learning rate follows it across calls
+        from .checkpoint import schedule
+        try:
+            saved = schedule(args.checkpoint)
+        except FileNotFoundError as e:
+            ap.error(str(e))
+        if saved["recipe"] != recipe.name:
+            ap.error(f"--resume: {args.checkpoint} holds the {saved['recipe']!r} recipe's pre-training, not {recipe.name!r}")
+        for name, given in (("steps", args.steps), ("minutes", args.minutes)):
+            if given is not None and given != saved[name]:
+                ap.error(f"--resume: --{name} {given} differs from the checkpoint's schedule ({saved[name]})")
+        recipe = recipe.replace(steps=saved["steps"], minutes=saved["minutes"])
     out = args.out or ("build/toy_pair" if args.toy else "build/smoke_pair" if args.smoke else "models/default_pair")
-    return run(recipe, out, device, seed=args.seed, experts=args.experts)
+    return run(recipe, out, device, seed=args.seed, experts=args.experts, checkpoint=args.checkpoint,
+               resume=args.resume, call_minutes=args.call_minutes)
 
 
 if __name__ == "__main__":

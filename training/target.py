@@ -153,25 +153,39 @@ def next_token_loss(model, inputs, targets, plan) -> torch.Tensor:
 
 def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps: int, weight_decay: float,
           bias_update_speed: float, experts: str = "auto", qat: bool = False, log=print, log_every: int = 50,
-          label: str = "target") -> dict:
+          label: str = "target", call_minutes: float | None = None, resume: dict | None = None) -> dict:
     """Train ``model`` on ``batches`` (an iterator of (inputs, targets) [R, T]) for ``steps`` or
     ``minutes``, whichever ends first (the learning rate follows the further of the two); with
     ``qat`` the routed experts are fake-quantised to INT4 in every forward and backward.
-    Returns the loss history, the step count, tokens seen, the time and the expert load."""
+
+    A schedule may span several processes (a GPU lent in calls of ten minutes): ``call_minutes``
+    stops this call early, and the next call passes the returned ``state`` as ``resume`` -- steps,
+    tokens, seconds and losses so far, the optimizer's state and the expert load -- so the schedule
+    goes on where it stopped.  Returns the loss history, the step count, tokens seen, the time, the
+    expert load, ``finished`` (the schedule ran to its end) and that ``state``."""
     device = model.model.embed_tokens.weight.device
     opt = optimizer(model, lr, weight_decay)
     load = ExpertLoad(model)
+    prior = resume or {}
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        load.total += resume["load_total"].to(load.total)
     quantised = expert_weights(model) if qat else []
     plan, shape = None, None
-    history, tokens, start = [], 0, time.perf_counter()
+    history = list(prior.get("losses", []))
+    step, tokens, before = prior.get("steps", 0), prior.get("tokens", 0), prior.get("seconds", 0.0)
+    call_tokens, start = 0, time.perf_counter()
     window = torch.zeros_like(load.total)  # counts since the last progress line
     warmup = warmup_steps / max(steps, 1)
-    step = 0
+    finished = False
     try:
         while True:
-            elapsed = time.perf_counter() - start
-            progress = max(step / steps, elapsed / (60 * minutes))
+            now = time.perf_counter() - start
+            progress = max(step / steps, (before + now) / (60 * minutes))
             if progress >= 1:
+                finished = True
+                break
+            if call_minutes is not None and now >= 60 * call_minutes:
                 break
             inputs, targets = next(batches)
             if shape != tuple(inputs.shape):
@@ -191,24 +205,29 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             update_routing_bias(model, counts, bias_update_speed)
             step += 1
             tokens += inputs.numel()
+            call_tokens += inputs.numel()
             value = loss.detach().item()
             if not math.isfinite(value):
                 raise FloatingPointError(f"{label}: loss is {value} at step {step}")
             history.append(value)
             if step % log_every == 0 or step == 1:
-                elapsed = time.perf_counter() - start
+                now = time.perf_counter() - start
                 recent = history[-log_every:]
                 balance = ExpertLoad.balance(window)["worst_min_over_mean"]
                 window.zero_()
                 log(f"  {label} step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                    f"load min/mean {balance:.2f}  {tokens / elapsed:,.0f} tok/s  {elapsed:6.1f} s")
+                    f"load min/mean {balance:.2f}  {call_tokens / now:,.0f} tok/s  {before + now:6.1f} s")
     finally:
         load.remove()
-    elapsed = time.perf_counter() - start
-    return {"steps": step, "tokens": tokens, "seconds": round(elapsed, 2), "loss_first": history[0] if history else None,
+    now = time.perf_counter() - start
+    seconds = before + now
+    state = {"steps": step, "tokens": tokens, "seconds": seconds, "losses": history, "optimizer": opt.state_dict(),
+             "load_total": load.total.clone(), "calls": prior.get("calls", 0) + 1}
+    return {"steps": step, "tokens": tokens, "seconds": round(seconds, 2), "loss_first": history[0] if history else None,
             "loss_last": sum(history[-10:]) / max(1, len(history[-10:])), "losses": history,
-            "tokens_per_second": tokens / max(elapsed, 1e-9), "train_load": ExpertLoad.balance(load.total),
-            "experts": plan.layers[-1].experts if plan is not None else None}
+            "tokens_per_second": call_tokens / max(now, 1e-9), "train_load": ExpertLoad.balance(load.total),
+            "experts": plan.layers[-1].experts if plan is not None else expert_form(experts, device),
+            "calls": state["calls"], "finished": finished, "state": state}
 
 
 __all__ = ["target_config", "build_target", "training_plan", "expert_form", "EXPERT_FORMS", "ExpertLoad", "update_routing_bias", "train",

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 48: the default pair with a longer pre-training than one ten-minute device call allows, in
+# calls fired back to back on one warm machine (it keeps /tmp and the build between calls):
+#
+#   bash scripts/train_pair_calls.sh first    # build, corpus, tokenizer, CALL_MINUTES of pre-training -> $CKPT
+#   bash scripts/train_pair_calls.sh resume   # CALL_MINUTES more; the call in which the schedule
+#                                             # (TOTAL_MINUTES in all) ends runs QAT, the drafter,
+#                                             # the export and the checks, and packs the pair into $OUT
+#   bash scripts/unpack_pair.sh <files_at>    # here, after the last call
+#
+# Defaults: TOTAL_MINUTES=12.5, CALL_MINUTES=8.0 (first) / 8.5 (resume), STEPS=8000 (the schedule
+# ends at whichever of steps or minutes comes first), CKPT=/tmp/kdtree_pretrain.  Two calls: 8 +
+# 4.5 minutes of pre-training, the second call ~8.5 minutes in all.  A call whose machine was given
+# back finds no checkpoint and says so (training/checkpoint.py).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+MODE=${1:?usage: bash scripts/train_pair_calls.sh first|resume}
+CKPT=${CKPT:-/tmp/kdtree_pretrain}
+TOTAL=${TOTAL_MINUTES:-12.5}
+ROOT=/tmp/kdtree_pair
+case "$MODE" in
+  first)
+    bash scripts/gpu_run.sh "" "" "" || exit 1  # the build (gpu.txt, build.log under $OUT)
+    rm -rf "$CKPT" "$ROOT"
+    ARGS="--minutes $TOTAL --steps ${STEPS:-8000} --call-minutes ${CALL_MINUTES:-8.0}" ;;
+  resume)
+    ARGS="--resume --call-minutes ${CALL_MINUTES:-8.5}" ;;
+  *) echo "usage: bash scripts/train_pair_calls.sh first|resume" >&2; exit 2 ;;
+esac
+t0=$(date +%s)
+mkdir -p "$ROOT"
+timeout ${TRAIN_TIMEOUT:-585} python3 -m training.run --out "$ROOT/models/default_pair" --device cuda \
+  --checkpoint "$CKPT" $ARGS > "$OUT/train_$MODE.log" 2>&1
+rc=$?
+echo "training ($MODE) rc=$rc in $(( $(date +%s) - t0 )) s"
+grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote|continues|step .*(00|50) " "$OUT/train_$MODE.log" | tail -30
+[ $rc -eq 0 ] || exit $rc
+if [ -f "$ROOT/models/default_pair/metrics.json" ]; then  # the schedule ended in this call: the pair is written
+  cp "$ROOT/models/default_pair/metrics.json" "$OUT/metrics.json"
+  tar cf - -C "$ROOT" models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
+  ( cd "$ROOT/models/default_pair" && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
+fi
+ls -l "$OUT"
