@@ -39,38 +39,42 @@
 //
 // An fp8 cache (template parameter F8; kv_cache float8_e4m3fn rows of 640 B -- the 512 latent values
 // in e4m3, then the 64 rope values in bf16 -- + kv_scale fp32 [num_pages, page_size], the latent's
-// power-of-two scales, models/kimi_k2/cache.py): the key tile is copied as it is stored -- 40
+// power-of-two scales, models/kimi_k2/cache.py): each key row is copied as it is stored -- 40
 // 16-byte cp.async per row through the block table (4 threads per row, 10 chunks each) plus one
-// 4-byte cp.async of the row's scale -- into an fp8 ring, then each thread converts the chunks it
-// copied into ONE bf16 key tile in kv_off's layout, exactly the dequantised keys: the 32 latent
-// chunks through e4m3x4_to_bf16x4 (PRMT / shift / mask puts each code's bits in a bf16 as
-// value·2^-120, two bf16 multiplies by 2^120 and by the scale; an e4m3 value times a power of two is
-// exact in bf16), the 8 rope chunks stored as they are (already bf16); and the S = Q·Kᵀ / P·V code
-// runs on that tile unchanged.  So an fp8 call of N·H <= 16 rows gives the same bits as a bf16 call on
-// the dequantised cache (both the 16-row tile; splits depend on shapes only); above 16 rows bf16 takes
-// the 64-row tile and fp8 cannot (below), so the two agree to bf16 rounding only and the fp8 call is
-// slower (run 188, H200: 0.41-0.65x bf16's speed at N·H >= 64).  The rope stays bf16 because e4m3's 3
-// mantissa bits, which move each value by up to 2^-4 of itself, cost the shipped pair 1.3 % of its
-// greedy tokens when the rope went through them too (cache.py).
-//   Staging: the ring holds STAGES fp8 stages (BN·640 B rows + BN·4 B scales) beside one bf16 tile.
-//   Small: Q 18,432 + bf16 tile 36,864 + 2 x (20,480 + 128) + P 1,024 + 256 = 97,792 B (bf16:
-//   93,440; 2 CTAs/SM on sm_90, fits sm_120's 99 KB).  Large would be 73,728 + 73,728 + 2 x (40,960
-//   + 256) + 8,192 + 1,024 = 239,104 B, over sm_90's 232,448 opt-in: an fp8 cache is read through
-//   the small tile at every N·H (its verify-sized calls are slower per key than bf16's large tile).
+// 4-byte cp.async of the row's scale -- into a ring stage: the 32 e4m3 latent chunks to the
+// stage's latent rows, the 8 bf16 rope chunks to its rope rows (rope_off), the scale after them.
+// Each thread then converts the latent chunks it copied into ONE bf16 latent tile (lat_off),
+// exactly the dequantised keys: e4m3x4_to_bf16x4 (PRMT / shift / mask puts each code's bits in a
+// bf16 as value·2^-120, two bf16 multiplies by 2^120 and by the scale; an e4m3 value times a power
+// of two is exact in bf16).  S = Q·Kᵀ takes its 32 latent k-steps from that tile and its 4 rope
+// k-steps from the ring stage, in the bf16 path's order and accumulator chains; P·V reads the
+// latent tile.  So an fp8 call gives the same bits as a bf16 call on the dequantised cache (same
+// tile, order and splits at every N·H: the splits depend on shapes only, and both tiles' shared
+// memory allows the same CTAs per SM).  The rope stays bf16 because e4m3's 3 mantissa bits, which
+// move each value by up to 2^-4 of itself, cost the shipped pair 1.3 % of its greedy tokens when
+// the rope went through them too (cache.py).
+//   Staging: the ring holds STAGES stages of BN·(512 + 128 + 4) B beside one bf16 latent tile of
+//   BN·1024 B.  Small: Q 18,432 + latent tile 32,768 + 2 x 20,608 + P 1,024 + 256 = 93,696 B
+//   (bf16: 93,440; 2 CTAs/SM on sm_90, fits sm_120's 99 KB).  Large: 73,728 + 65,536 + 2 x 41,216
+//   + 8,192 + 1,024 = 230,912 B, within sm_90's 232,448 opt-in (the whole 640-byte rows beside a
+//   whole 1,152-byte key tile, session 41's layout, needed 239,104: fp8 then read through the
+//   16-row tile at every size, at 0.41-0.65x bf16's speed for N·H >= 64 in run 188).
 //   No in-place conversion (an fp8 tile in the upper half of its own bf16 stage would be overwritten
 //   while unread unless converted in dependency order or through registers).
-//   Order per tile j: wait for tile j's copies, barrier (every warp done with tile j - 1's bf16
-//   keys; the scales, copied by other threads, visible), issue tile j + 1's copies into the other
-//   fp8 stage, convert tile j, barrier, compute -- the copy of j + 1 overlaps conversion and compute
-//   of j as in the bf16 ring; one barrier more per tile.
-//   Registers (ptxas -v, CUDA 13.0): fp8 Small 148 (sm_90) / 174 (sm_120), as with the all-e4m3
-//   rows before, no spills; the conversion re-reads %tid.x so that its addresses are not held
-//   across the loop.  bf16 instantiations unchanged (194 / 255 / 182).
+//   Order per tile j: wait for tile j's copies, barrier (every warp done with tile j - 1's latent
+//   tile and ring stage; the scales, copied by other threads, visible), issue tile j + 1's copies
+//   into the other stage, convert tile j, barrier, compute -- the copy of j + 1 overlaps
+//   conversion and compute of j as in the bf16 ring; one barrier more per tile.  Tile j's stage
+//   is next written by tile j + 2's copies, issued after iteration j + 1's first barrier.
+//   Registers (ptxas -v, CUDA 13.0, sm_90): fp8 Small 186 (148 before the rope moved to the ring),
+//   Large 254 with an 8-byte spill; sm_120: Small 184 (the large tiles do not fit its shared
+//   memory and compile to a trap).  The bf16 instantiations' SASS is unchanged by the fp8 layout.
+//   The conversion re-reads %tid.x so that its addresses are not held across the loop.
 //   What bounds it: the conversion is ~46 thread instructions per 16-byte e4m3 chunk (LDS.128, 4 x
-//   (2 PRMT, 2 shifts, 2 LOP3, 4 HMUL2.BF16), 2 STS.128, addresses), ~2.9 per byte or ~47 warp
-//   instructions per key (the rope chunks are a load and a store).  Measured on the H200 with the
-//   all-e4m3 rows (run 179): 0.90-0.95x the bf16 kernel's speed in every cell -- the kernel is not
-//   bandwidth-bound, so fewer bytes buy nothing and the conversion costs.
+//   (2 PRMT, 2 shifts, 2 LOP3, 4 HMUL2.BF16), 2 STS.128, addresses), ~2.9 per byte or ~46 warp
+//   instructions per key.  Measured on the H200 with all-e4m3 rows and a 64-row fp8 tile (run 179):
+//   0.90-0.95x the bf16 kernel's speed in every cell -- the kernel is not bandwidth-bound, so fewer
+//   bytes buy nothing and the conversion costs.  The present layout has not run on a GPU yet.
 //   e4m3fn's NaN codes read as ±480·scale (the cache's quantiser clamps to ±448: never written).
 #include "bf16_vec.cuh"
 #include "check.h"
@@ -88,6 +92,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace kdtree {
 namespace {
@@ -179,6 +184,15 @@ __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w, __nv_bfloat162 sca
 __device__ __forceinline__ uint32_t kv_off(int row, int c) {
   return uint32_t(row * kRowBytes + ((c ^ (row & 7)) << 4));
 }
+// An fp8 cache's tiles (the F8 instantiations): the converted latent keys, [BN][64 chunks] bf16
+// (1024 B pitch), and the rope part of a ring stage, [BN][8 chunks] bf16 (128 B pitch), each with
+// kv_off's XOR so that the 8 rows an ldmatrix reads fall in 8 different bank groups.
+__device__ __forceinline__ uint32_t lat_off(int row, int c) {
+  return uint32_t(row * (kDV * 2) + ((c ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t rope_off(int row, int c) {
+  return uint32_t(row * ((kD - kDV) * 2) + ((c ^ (row & 7)) << 4));
+}
 // Same for the [BM][BN] bf16 P tile (BN/8 chunks per row).
 template <int BN>
 __device__ __forceinline__ uint32_t p_off(int row, int c) {
@@ -186,9 +200,11 @@ __device__ __forceinline__ uint32_t p_off(int row, int c) {
   return uint32_t(row * BN * 2 + ((c ^ ((row / (8 / kCP)) & (kCP - 1))) << 4));
 }
 
-// F8: the cache is e4m3 rows + fp32 scales.  Its STAGES-deep ring holds the fp8 rows and their
-// scales (kF8Stage bytes a stage) beside one bf16 key tile that each tile is converted into
-// (header: "An fp8 cache"); the bf16 cache's ring holds bf16 tiles.
+// F8: the cache is e4m3 latent + bf16 rope rows + fp32 scales.  Its STAGES-deep ring holds each
+// tile's e4m3 latent rows [BN][512 B], its bf16 rope rows [BN][128 B] (rope_off) and its scales
+// [BN][4 B] (kF8Stage bytes a stage) beside one bf16 tile of latent keys [BN][1024 B] (lat_off)
+// that each tile's latent is converted into; Q·Kᵀ reads the rope where it landed in the ring
+// (header: "An fp8 cache").  The bf16 cache's ring holds whole bf16 key tiles.
 template <int MT, int RG, int BN, int STAGES, bool F8>
 struct Tile {
   static constexpr int kWarps = RG * 4;
@@ -197,8 +213,8 @@ struct Tile {
   static constexpr int kKW = BN / 4;   // keys per warp in S
   static constexpr int kNT = kKW / 8;  // n8 tiles per warp in S
   static constexpr int kQBytes = kBM * kRowBytes;
-  static constexpr int kKBytes = BN * kRowBytes;
-  static constexpr int kF8Stage = BN * (kF8RowBytes + 4);  // fp8 rows, then their scales
+  static constexpr int kKBytes = F8 ? BN * kDV * 2 : BN * kRowBytes;  // fp8: the bf16 latent tile
+  static constexpr int kF8Stage = BN * (kF8RowBytes + 4);  // e4m3 latent rows, bf16 rope rows, scales
   static constexpr int kKRegion = F8 ? kKBytes + STAGES * kF8Stage : STAGES * kKBytes;
   static constexpr int kPBytes = kBM * BN * 2;
   static constexpr int kSmem = kQBytes + kKRegion + kPBytes + 4 * kBM * 4;
@@ -223,7 +239,7 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   constexpr int kBM = T::kBM, kKW = T::kKW, kNT = T::kNT;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK = sQ + T::kQBytes;          // bf16: the ring; fp8: the one bf16 tile
+  const uint32_t sK = sQ + T::kQBytes;          // bf16: the ring; fp8: the one bf16 latent tile
   uint8_t* sF8_ptr = smem + T::kQBytes + T::kKBytes;  // fp8: the ring (stage s at s * kF8Stage)
   uint8_t* sP_ptr = smem + T::kQBytes + T::kKRegion;
   const uint32_t sP = smem_u32(sP_ptr);
@@ -264,8 +280,9 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
   const int32_t* bt_r = p.block_table + int64_t(r) * p.max_pages;
   auto load_tile = [&](int tile, int stage) {
     if constexpr (F8) {
-      // 4 threads per key: the 40 chunks of the fp8 row (thread sub takes chunks sub + 4i, the
-      // ones it converts) and, from sub 0, the row's scale (after the tile's rows)
+      // 4 threads per key: the 40 chunks of the cache row (thread sub takes chunks sub + 4i, the
+      // ones it converts): its 32 e4m3 latent chunks to the stage's latent rows, its 8 bf16 rope
+      // chunks to the stage's rope rows; from sub 0, the row's scale (after both)
       constexpr int kKeysPerPass = T::kThreads / 4;
       const uint32_t dst = smem_u32(sF8_ptr) + stage * T::kF8Stage;
       const int sub = tid & 3;
@@ -284,7 +301,8 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
         const uint8_t* src = row >= 0 ? kv8 + row * kF8RowBytes : kv8;
 #pragma unroll
         for (int c = sub; c < kF8RowChunks; c += 4)
-          cp_async16(dst + key * kF8RowBytes + c * 16, bytes ? src + c * 16 : kv8, bytes);
+          cp_async16(c < kF8LatentChunks ? dst + key * kDV + c * 16 : dst + BN * kDV + rope_off(key, c - kF8LatentChunks),
+                     bytes ? src + c * 16 : kv8, bytes);
         if (sub == 0)
           cp_async4(dst + BN * kF8RowBytes + key * 4, row >= 0 ? p.kv_scale + row : p.kv_scale, row >= 0 ? 4 : 0);
       }
@@ -311,9 +329,9 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       }
     }
   };
-  // fp8: the tile in ring stage `stage` -> the bf16 key tile at sK (kv_off's layout), each thread
-  // converting the 16-byte chunks it copied itself; the scales were copied by other threads, so the
-  // caller has passed a barrier since the copies' wait.
+  // fp8: the latent of the tile in ring stage `stage` -> the bf16 latent tile at sK (lat_off), each
+  // thread converting the 16-byte chunks it copied itself; the scales were copied by other threads,
+  // so the caller has passed a barrier since the copies' wait.  The rope stays in the stage.
   auto convert_tile = [&](int stage) {
     if constexpr (F8) {
       constexpr int kKeysPerPass = T::kThreads / 4;
@@ -328,19 +346,15 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
         const int key = pass * kKeysPerPass + (tid_v >> 2);
         const unsigned short sb = (unsigned short)(__float_as_uint(scales[key]) >> 16);  // a power of two: exact
         const __nv_bfloat162 scale = __halves2bfloat162(__ushort_as_bfloat16(sb), __ushort_as_bfloat16(sb));
-        static_assert(kF8RowChunks % 4 == 0 && kF8LatentChunks % 4 == 0, "chunk i of every thread is e4m3 or bf16 alike");
+        static_assert(kF8LatentChunks % 4 == 0, "every thread converts latent chunks only");
 #pragma unroll
-        for (int i = 0; i < kF8RowChunks / 4; ++i) {
+        for (int i = 0; i < kF8LatentChunks / 4; ++i) {  // 16 e4m3 latent values -> bf16 chunks 2c, 2c + 1
           const int c = sub + 4 * i;
-          const uint4 w = *reinterpret_cast<const uint4*>(src + key * kF8RowBytes + c * 16);
-          if (i < kF8LatentChunks / 4) {  // 16 e4m3 latent values -> bf16 chunks 2c, 2c + 1
-            const uint2 a = e4m3x4_to_bf16x4(w.x, scale), b = e4m3x4_to_bf16x4(w.y, scale);
-            const uint2 e = e4m3x4_to_bf16x4(w.z, scale), f = e4m3x4_to_bf16x4(w.w, scale);
-            *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c)) = make_uint4(a.x, a.y, b.x, b.y);
-            *reinterpret_cast<uint4*>(dst + kv_off(key, 2 * c + 1)) = make_uint4(e.x, e.y, f.x, f.y);
-          } else {  // 8 bf16 rope values, stored as they are read: bf16 chunk 64 + (c - 32)
-            *reinterpret_cast<uint4*>(dst + kv_off(key, c + kF8LatentChunks)) = w;
-          }
+          const uint4 w = *reinterpret_cast<const uint4*>(src + key * kDV + c * 16);
+          const uint2 a = e4m3x4_to_bf16x4(w.x, scale), b = e4m3x4_to_bf16x4(w.y, scale);
+          const uint2 e = e4m3x4_to_bf16x4(w.z, scale), f = e4m3x4_to_bf16x4(w.w, scale);
+          *reinterpret_cast<uint4*>(dst + lat_off(key, 2 * c)) = make_uint4(a.x, a.y, b.x, b.y);
+          *reinterpret_cast<uint4*>(dst + lat_off(key, 2 * c + 1)) = make_uint4(e.x, e.y, f.x, f.y);
         }
       }
     }
@@ -411,26 +425,6 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
     const uint32_t sKs = F8 ? sK : sK + (j % STAGES) * T::kKBytes;
 
     // S = Q·Kᵀ for rows of this row group x keys [dq·KW, dq·KW + KW) of the tile
-    auto qk_step = [&](int ks, float (&acc)[MT][kNT][4]) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
-      uint32_t b[kNT][2];
-      if constexpr (kNT == 2) {
-        uint32_t bb[4];
-        ldsm_x4(bb, sKs + kv_off(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-        b[0][0] = bb[0];
-        b[0][1] = bb[1];
-        b[kNT - 1][0] = bb[2];
-        b[kNT - 1][1] = bb[3];
-      } else {
-        ldsm_x2(b[0][0], b[0][1], sKs + kv_off(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-      }
-#pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
-    };
     float s[MT][kNT][4];
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
@@ -438,19 +432,93 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
-    if constexpr (MT * kNT == 1) {
-      // one accumulator would chain 36 dependent mma; two chains halve that latency
-      float s_odd[MT][kNT][4] = {};
-#pragma unroll 2
-      for (int ks = 0; ks < kD / 16; ks += 2) {
-        qk_step(ks, s);
-        qk_step(ks + 1, s_odd);
-      }
+    if constexpr (!F8) {
+      auto qk_step = [&](int ks, float (&acc)[MT][kNT][4]) {
+        uint32_t a[MT][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
-    } else {
+        for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        uint32_t b[kNT][2];
+        if constexpr (kNT == 2) {
+          uint32_t bb[4];
+          ldsm_x4(bb, sKs + kv_off(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+          b[0][0] = bb[0];
+          b[0][1] = bb[1];
+          b[kNT - 1][0] = bb[2];
+          b[kNT - 1][1] = bb[3];
+        } else {
+          ldsm_x2(b[0][0], b[0][1], sKs + kv_off(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+      };
+      if constexpr (MT * kNT == 1) {
+        // one accumulator would chain 36 dependent mma; two chains halve that latency
+        float s_odd[MT][kNT][4] = {};
+#pragma unroll 2
+        for (int ks = 0; ks < kD / 16; ks += 2) {
+          qk_step(ks, s);
+          qk_step(ks + 1, s_odd);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
+      } else {
 #pragma unroll 4
-      for (int ks = 0; ks < kD / 16; ++ks) qk_step(ks, s);
+        for (int ks = 0; ks < kD / 16; ++ks) qk_step(ks, s);
+      }
+    } else {
+      // fp8: the 32 latent k-steps from the bf16 latent tile, the 4 rope k-steps from this tile's
+      // ring stage, in the bf16 path's order and chains, so the sums are the bf16 path's bits
+      const uint32_t sRope = smem_u32(sF8_ptr) + (j % STAGES) * T::kF8Stage + BN * kDV;
+      auto qk_step = [&](int ks, float (&acc)[MT][kNT][4], auto rope_tag) {
+        constexpr bool kRope = decltype(rope_tag)::value;
+        auto key = [&](int row, int c) -> uint32_t {  // bf16 chunk c (of 72) of key row `row`
+          if constexpr (kRope)
+            return sRope + rope_off(row, c - 2 * kF8LatentChunks);
+          else
+            return sK + lat_off(row, c);
+        };
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        uint32_t b[kNT][2];
+        if constexpr (kNT == 2) {
+          uint32_t bb[4];
+          ldsm_x4(bb, key(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+          b[0][0] = bb[0];
+          b[0][1] = bb[1];
+          b[kNT - 1][0] = bb[2];
+          b[kNT - 1][1] = bb[3];
+        } else {
+          ldsm_x2(b[0][0], b[0][1], key(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+      };
+      constexpr int kLatentSteps = kDV / 16;
+      if constexpr (MT * kNT == 1) {
+        float s_odd[MT][kNT][4] = {};
+#pragma unroll 2
+        for (int ks = 0; ks < kLatentSteps; ks += 2) {
+          qk_step(ks, s, std::false_type{});
+          qk_step(ks + 1, s_odd, std::false_type{});
+        }
+#pragma unroll
+        for (int ks = kLatentSteps; ks < kD / 16; ks += 2) {
+          qk_step(ks, s, std::true_type{});
+          qk_step(ks + 1, s_odd, std::true_type{});
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
+      } else {
+#pragma unroll 4
+        for (int ks = 0; ks < kLatentSteps; ++ks) qk_step(ks, s, std::false_type{});
+#pragma unroll
+        for (int ks = kLatentSteps; ks < kD / 16; ++ks) qk_step(ks, s, std::true_type{});
+      }
     }
 
     // scale to log2 units; mask keys past the split and invisible tree nodes
@@ -523,7 +591,8 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
 #pragma unroll
       for (int np = 0; np < 8; ++np) {
         uint32_t b[4];
-        ldsm_x4_trans(b, sKs + kv_off(kk * 16 + (lane & 15), dq * 16 + np * 2 + (lane >> 4)));
+        const int vrow = kk * 16 + (lane & 15), vc = dq * 16 + np * 2 + (lane >> 4);
+        ldsm_x4_trans(b, F8 ? sK + lat_off(vrow, vc) : sKs + kv_off(vrow, vc));
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           mma_bf16(o[mi][2 * np], a[mi], b[0], b[1]);
@@ -956,11 +1025,10 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  // fp8 reads through the small tile only: with 640-byte rows the large fp8 tile would need 239,104 B,
-  // over sm_90's 232,448 opt-in (header: "An fp8 cache").
-  const int64_t large_smem = LargeTile<false>::kSmem;
+  // fp8 takes the tile bf16 takes (header: "An fp8 cache": its large tile fits sm_90, not sm_120).
+  const int64_t large_smem = fp8 ? LargeTile<true>::kSmem : LargeTile<false>::kSmem;
   const bool large_fits = int64_t(prop->sharedMemPerBlockOptin) >= large_smem;
-  const bool large = !fp8 && large_fits && M > SmallTile<false>::kBM;
+  const bool large = large_fits && M > SmallTile<false>::kBM;
   const int bm = large ? LargeTile<false>::kBM : SmallTile<false>::kBM;
   const int bn = large ? 64 : 32;
   const int64_t row_blocks = (M + bm - 1) / bm;
@@ -998,7 +1066,9 @@ AttentionRun launch_tree_attention(const at::Tensor& q, const at::Tensor& kv_cac
     p.lse_part = run.lse_part.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (large)
+  if (large && fp8)
+    launch_attention<2, 2, 64, 2, true>(p, int(row_blocks), int(R), stream);
+  else if (large)
     launch_attention<2, 2, 64, 2, false>(p, int(row_blocks), int(R), stream);
   else if (fp8)
     launch_attention<1, 1, 32, 2, true>(p, int(row_blocks), int(R), stream);
