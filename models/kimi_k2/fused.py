@@ -204,8 +204,8 @@ GROUP_ALIGN = 8  # rows: each expert's group of a grouped_padded buffer starts a
 
 def grouped_padded(module, x, topk_ids, topk_weights):
     """The dense routed experts for training: differentiable, no host sync, three bf16
-    ``grouped_mm`` launches forward (``looped``'s loop costs two host syncs and three GEMMs per expert
-    in use, and as many again backward).  The (token, slot) rows are sorted by expert into a buffer
+    ``grouped_mm`` launches forward (``looped``'s loop costs a host sync and three GEMMs per expert in
+    use, and as many GEMMs again backward).  The (token, slot) rows are sorted by expert into a buffer
     of static size in which every expert's group starts at a multiple of ``GROUP_ALIGN`` rows (the
     backward's weight gradients take the groups as the reduced dimension of a GEMM, whose operands
     stay 16-byte aligned so) and the last group runs to the buffer's end (rows past the last offset
