@@ -92,7 +92,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
 namespace kdtree {
 namespace {
@@ -432,93 +431,54 @@ __device__ __forceinline__ void attention_tile_loop(const Params& p) {
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
-    if constexpr (!F8) {
-      auto qk_step = [&](int ks, float (&acc)[MT][kNT][4]) {
-        uint32_t a[MT][4];
+    // key(row, c): the address of 16-byte chunk c (of 72) of key `row` of tile j in shared memory
+    auto qk_step = [&](int ks, float (&acc)[MT][kNT][4], auto key) {
+      uint32_t a[MT][4];
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
-        uint32_t b[kNT][2];
-        if constexpr (kNT == 2) {
-          uint32_t bb[4];
-          ldsm_x4(bb, sKs + kv_off(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-          b[0][0] = bb[0];
-          b[0][1] = bb[1];
-          b[kNT - 1][0] = bb[2];
-          b[kNT - 1][1] = bb[3];
-        } else {
-          ldsm_x2(b[0][0], b[0][1], sKs + kv_off(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-        }
+      for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+      uint32_t b[kNT][2];
+      if constexpr (kNT == 2) {
+        uint32_t bb[4];
+        ldsm_x4(bb, key(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+        b[0][0] = bb[0];
+        b[0][1] = bb[1];
+        b[kNT - 1][0] = bb[2];
+        b[kNT - 1][1] = bb[3];
+      } else {
+        ldsm_x2(b[0][0], b[0][1], key(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+      }
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi)
+      for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-          for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
-      };
+        for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+    };
+    // k-steps [ks0, ks1): one accumulator would chain 36 dependent mma in the small tile, so even
+    // steps go to s and odd ones to s_odd there (summed after the last step)
+    float s_odd[MT][kNT][4] = {};
+    auto qk_steps = [&](int ks0, int ks1, auto key) {
       if constexpr (MT * kNT == 1) {
-        // one accumulator would chain 36 dependent mma; two chains halve that latency
-        float s_odd[MT][kNT][4] = {};
 #pragma unroll 2
-        for (int ks = 0; ks < kD / 16; ks += 2) {
-          qk_step(ks, s);
-          qk_step(ks + 1, s_odd);
+        for (int ks = ks0; ks < ks1; ks += 2) {
+          qk_step(ks, s, key);
+          qk_step(ks + 1, s_odd, key);
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
       } else {
 #pragma unroll 4
-        for (int ks = 0; ks < kD / 16; ++ks) qk_step(ks, s);
+        for (int ks = ks0; ks < ks1; ++ks) qk_step(ks, s, key);
       }
+    };
+    if constexpr (!F8) {
+      qk_steps(0, kD / 16, [&](int row, int c) { return sKs + kv_off(row, c); });
     } else {
       // fp8: the 32 latent k-steps from the bf16 latent tile, the 4 rope k-steps from this tile's
       // ring stage, in the bf16 path's order and chains, so the sums are the bf16 path's bits
       const uint32_t sRope = smem_u32(sF8_ptr) + (j % STAGES) * T::kF8Stage + BN * kDV;
-      auto qk_step = [&](int ks, float (&acc)[MT][kNT][4], auto rope_tag) {
-        constexpr bool kRope = decltype(rope_tag)::value;
-        auto key = [&](int row, int c) -> uint32_t {  // bf16 chunk c (of 72) of key row `row`
-          if constexpr (kRope)
-            return sRope + rope_off(row, c - 2 * kF8LatentChunks);
-          else
-            return sK + lat_off(row, c);
-        };
-        uint32_t a[MT][4];
+      qk_steps(0, kDV / 16, [&](int row, int c) { return sK + lat_off(row, c); });
+      qk_steps(kDV / 16, kD / 16, [&](int row, int c) { return sRope + rope_off(row, c - 2 * kF8LatentChunks); });
+    }
+    if constexpr (MT * kNT == 1) {
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) ldsm_x4(a[mi], sQ + kv_off(wrow + mi * 16 + (lane & 15), 2 * ks + (lane >> 4)));
-        uint32_t b[kNT][2];
-        if constexpr (kNT == 2) {
-          uint32_t bb[4];
-          ldsm_x4(bb, key(dq * kKW + (lane >> 4) * 8 + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-          b[0][0] = bb[0];
-          b[0][1] = bb[1];
-          b[kNT - 1][0] = bb[2];
-          b[kNT - 1][1] = bb[3];
-        } else {
-          ldsm_x2(b[0][0], b[0][1], key(dq * kKW + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
-        }
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < kNT; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
-      };
-      constexpr int kLatentSteps = kDV / 16;
-      if constexpr (MT * kNT == 1) {
-        float s_odd[MT][kNT][4] = {};
-#pragma unroll 2
-        for (int ks = 0; ks < kLatentSteps; ks += 2) {
-          qk_step(ks, s, std::false_type{});
-          qk_step(ks + 1, s_odd, std::false_type{});
-        }
-#pragma unroll
-        for (int ks = kLatentSteps; ks < kD / 16; ks += 2) {
-          qk_step(ks, s, std::true_type{});
-          qk_step(ks + 1, s_odd, std::true_type{});
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
-      } else {
-#pragma unroll 4
-        for (int ks = 0; ks < kLatentSteps; ++ks) qk_step(ks, s, std::false_type{});
-#pragma unroll
-        for (int ks = kLatentSteps; ks < kD / 16; ++ks) qk_step(ks, s, std::true_type{});
-      }
+      for (int e = 0; e < 4; ++e) s[0][0][e] += s_odd[0][0][e];
     }
 
     // scale to log2 units; mask keys past the split and invisible tree nodes
