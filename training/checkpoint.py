@@ -34,8 +34,8 @@ def save(directory: str | Path, *, raw_tokenizer, train_stream: torch.Tensor, he
     tmp = directory.parent / f".{directory.name}.partial"
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "tokenizer.json").write_text(raw_tokenizer.to_str(), encoding="utf-8")
-    save_file({"train": train_stream.contiguous().cpu(), "heldout": heldout_stream.contiguous().cpu()},
-              str(tmp / "streams.safetensors"))
+    save_file({"train": train_stream.to(torch.int32).contiguous().cpu(),  # token ids < 2^31: half the bytes
+               "heldout": heldout_stream.to(torch.int32).contiguous().cpu()}, str(tmp / "streams.safetensors"))
     (tmp / "manifest.json").write_text(manifest, encoding="utf-8")
     (tmp / "prompts.json").write_text(prompts, encoding="utf-8")
     save_model(model, str(tmp / "model.safetensors"))
@@ -88,7 +88,7 @@ def load(directory: str | Path) -> dict:
              "losses": meta["losses"], "optimizer": {"state": per_param, "param_groups": groups},
              "load_total": tensors["load_total"]}
     return {"raw_tokenizer": Tokenizer.from_str((directory / "tokenizer.json").read_text(encoding="utf-8")),
-            "train_stream": streams["train"], "heldout_stream": streams["heldout"],
+            "train_stream": streams["train"].long(), "heldout_stream": streams["heldout"].long(),
             "manifest": (directory / "manifest.json").read_text(encoding="utf-8"),
             "prompts": (directory / "prompts.json").read_text(encoding="utf-8"), "state": state}
 
