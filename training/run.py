@@ -64,6 +64,45 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def _corpus_and_tokenizer(recipe, work: Path, clock, log):
+    """The corpus split (manifest.json and the main job's prompts.json written to ``work``), the
+    byte-level BPE and the encoded training and held-out streams:
+    (raw tokenizer, transformers tokenizer, train stream, held-out stream, manifest)."""
+    from . import tokenizer as tk
+    from .data import encode_files
+
+    clock.phase("corpus")
+    files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
+    packages = None
+    if recipe.packages:
+        extra, packages = corpus.package_files(recipe.packages, limit_bytes=recipe.package_bytes)
+        files = sorted(files + extra, key=lambda f: f.path)
+        for rec in packages:
+            log(f"  package {rec['package']}: " + (f"skipped ({rec['skipped']})" if "skipped" in rec else
+                f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
+    train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
+    manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    # held-out code prompts for the main job (python -m torch_kdtree.demo)
+    stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
+    prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
+                             "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
+    (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
+    log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
+        f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
+        f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
+
+    clock.phase("tokenizer")
+    raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
+    tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
+    special = tk.special_ids(tokenizer)
+    train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
+    heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
+    log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
+        f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
+    return raw, tokenizer, train_stream, heldout_stream, manifest
+
+
 def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
         log=_print, checkpoint: str | Path | None = None, resume: bool = False,
         call_minutes: float | None = None) -> dict:
@@ -79,7 +118,7 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
 
     from . import tokenizer as tk
     from .card import write_card
-    from .data import WindowSampler, encode_files, prompt_windows
+    from .data import WindowSampler, prompt_windows
     from .drafter import agreement, build_drafter, continuations, target_taps, train_drafter
     from .evaluate import acceptance_sweep, bf16_copy, bits_per_byte, ddtree_check
     from .export import directory_bytes, write_drafter, write_target
@@ -107,35 +146,7 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
             f"{state['seconds']:.1f} s of pre-training so far")
     else:
         state = None
-        clock.phase("corpus")
-        files = corpus.stdlib_files(limit_bytes=recipe.corpus_bytes)
-        packages = None
-        if recipe.packages:
-            extra, packages = corpus.package_files(recipe.packages, limit_bytes=recipe.package_bytes)
-            files = sorted(files + extra, key=lambda f: f.path)
-            for rec in packages:
-                log(f"  package {rec['package']}: " + (f"skipped ({rec['skipped']})" if "skipped" in rec else
-                    f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
-        train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
-        manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
-        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        # held-out code prompts for the main job (python -m torch_kdtree.demo)
-        stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
-        prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
-                                 "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
-        (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
-        log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
-            f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
-            f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
-
-        clock.phase("tokenizer")
-        raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
-        tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
-        special = tk.special_ids(tokenizer)
-        train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
-        heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
-        log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
-            f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
+        raw, tokenizer, train_stream, heldout_stream, manifest = _corpus_and_tokenizer(recipe, work, clock, log)
         manifest_text = (work / "manifest.json").read_text(encoding="utf-8")
         prompts_text = (work / "prompts.json").read_text(encoding="utf-8")
     special = tk.special_ids(tokenizer)
