@@ -212,6 +212,58 @@ def test_int4_moe(benchmark, shape, T):
     record(benchmark, op="int4_moe", **res, eager_us=benchmark.stats.stats.median * 1e6)
 
 
+SWEEP_TOKENS = [5, 9, 17, 33]  # tree-verify passes of one request at B = 4, 8, 16, 32 (the grouped path)
+
+
+def _sweep() -> list[tuple[int, int, int]]:
+    """(T, block_size, k_splits): block sizes 8 and 16, split-K 1 ... 16 and the plan's own."""
+    from torch_kdtree.ops.moe import int4_moe_plan
+
+    s = SHAPES["tp8"]
+    points = []
+    for T in SWEEP_TOKENS:
+        plan = int4_moe_plan(T, s["k"], s["E"], s["H"], s["I"])
+        for bs in (8, 16):
+            points += [(T, bs, ks) for ks in sorted({1, 2, 4, 8, 16, plan.k_splits})]
+    return points
+
+
+SWEEP = _sweep()
+
+
+@requires_cuda
+@pytest.mark.parametrize("T,block_size,k_splits", SWEEP, ids=[f"T{t}-bs{b}-ks{k}" for t, b, k in SWEEP])
+def test_int4_moe_plan_sweep(benchmark, T, block_size, k_splits):
+    """Is int4_moe_plan's (block_size, k_splits) the fastest at tree-verify sizes?  The TP-8 shape
+    (the k2_slice B = 16 step's experts stream at ~0.63 of the read rate, run 189), every block size
+    and split-K pair around the plan's, the same cycled routings and weight copies as test_int4_moe;
+    ``is_plan`` marks the plan's own choice.  The bits do not depend on the split (fixed-order sums)."""
+    from torch_kdtree.ops.moe import int4_moe_plan, int4_moe_workspace_bytes
+
+    s = SHAPES["tp8"]
+    E, H, I, k = s["E"], s["H"], s["I"], s["k"]
+    ceiling = hbm_ceiling()
+    layers = layers_for("tp8")
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    calls = [Call(T, E, H, k, layers[c % LAYERS], gen) for c in range(ROUTINGS)]
+    ws = torch.empty(int4_moe_workspace_bytes(T, k, E, H, I, block_size, k_splits), dtype=torch.uint8, device="cuda")
+    op = torch.ops.kdtree.int4_moe_out
+
+    def run(c):
+        w = c.layer.int4
+        op(c.x, *w[:4], c.ids, c.tw, None, w.group_size, block_size, k_splits, ws, c.out)
+
+    us = cuda_time_us(cycling(run, calls))
+    plan = int4_moe_plan(T, k, E, H, I)
+    touched = sum(c.touched for c in calls) / len(calls)
+    nbytes = touched * expert_bytes(H, I) + 2 * T * H * 2
+    benchmark.pedantic(lambda: (run(calls[0]), torch.cuda.synchronize()), rounds=3, iterations=1)
+    record(benchmark, op="int4_moe_sweep", T=T, block_size=block_size, k_splits=k_splits, gpu_us=us,
+           experts_touched=touched, ceiling_ratio=nbytes / (us * 1e-6) / 1e9 / ceiling.gbs,
+           is_plan=(plan.block_size, plan.k_splits) == (block_size, k_splits),
+           plan=f"bs{plan.block_size}-ks{plan.k_splits}", **ceiling.fields())
+
+
 def main():
     props = torch.cuda.get_device_properties(0)
     ceiling = hbm_ceiling()
