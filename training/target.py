@@ -159,7 +159,7 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
     ``qat`` the routed experts are fake-quantised to INT4 in every forward and backward.
 
     A schedule may span several processes (a GPU lent in calls of ten minutes): ``call_minutes``
-    stops this call early, and the next call passes the returned ``state`` as ``resume`` -- steps,
+    stops this call early (after one step at least), and the next call passes the returned ``state`` as ``resume`` -- steps,
     tokens, seconds and losses so far, the optimizer's state and the expert load -- so the schedule
     goes on where it stopped.  Returns the loss history, the step count, tokens seen, the time, the
     expert load, ``finished`` (the schedule ran to its end) and that ``state``."""
@@ -185,7 +185,7 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             if progress >= 1:
                 finished = True
                 break
-            if call_minutes is not None and now >= 60 * call_minutes:
+            if call_minutes is not None and call_tokens and now >= 60 * call_minutes:  # a call makes >= 1 step
                 break
             inputs, targets = next(batches)
             if shape != tuple(inputs.shape):
