@@ -1,9 +1,9 @@
 """Representative mla_tree_attention calls for compute-sanitizer memcheck / racecheck: both tiles
 (16-row and 64-row), split + combine and single-split paths, tree masks, odd page size, padding rows;
 each with and without prefix_ready (the 16-row tile's committed key tiles copied before the wait);
-and the same over an fp8 cache (640-byte rows of an e4m3 latent and a bf16 rope, + fp32 scales: the fp8
-ring, the 4-byte scale copies and the shared-memory conversion, all through the 16-row tile, which
-fp8 uses at every size), page sizes 1 and 64 included."""
+and the same over an fp8 cache (640-byte rows of an e4m3 latent and a bf16 rope, + fp32 scales: the
+ring's latent, rope and scale copies, the shared-memory conversion of the latent and Q·Kᵀ's rope
+steps read from the ring, through both tiles as bf16 takes them), page sizes 1 and 64 included."""
 import torch
 
 import torch_kdtree  # noqa: F401
@@ -45,7 +45,7 @@ with value_checks(False):
     # fp8 cache
     print(call(2, 1, 8, 16, [1200, 40], fp8=True))     # 16-row tile, several splits, an early-exiting split
     print(call(3, 1, 16, 1, [31, 40, 64], fp8=True))   # page size 1: every row through its own table entry
-    print(call(1, 5, 16, 7, [1500], fp8=True))         # 80 rows (16-row tiles), page size 7
+    print(call(1, 5, 16, 7, [1500], fp8=True))         # 80 rows (64-row tile: one partial block), page size 7
     print(call(2, 17, 8, 64, [3000, 65], fp8=True))    # 136 rows, splits, a tree over page edges
     print(call(1, 65, 64, 64, [100], fp8=True))        # 4160 rows, one split
 torch.cuda.synchronize()
