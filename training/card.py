@@ -19,6 +19,7 @@ def _check(ok: bool) -> str:
 def card_text(recipe, metrics: dict, manifest: dict) -> str:
     t, h, d = recipe.target, metrics["heldout"], metrics["drafter"]
     pre, qat, dl, check = metrics["pretrain"], metrics["qat"], metrics["drafter_training"], metrics["ddtree_check"]
+    calls = pre.get("calls", 1)  # pre-training calls (training/checkpoint.py); older metrics have one
     n = parameter_counts(recipe)
     draft = drafter_config_fields(recipe, metrics["tokenizer"]["vocab_size"], metrics["tokenizer"]["special_ids"]["mask"])
     sizes = metrics["checkpoint_bytes"]
@@ -85,8 +86,8 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         f"Recipe: AdamW (0.9, 0.95), peak lr {recipe.lr:g}, weight decay {recipe.weight_decay:g}, warm-up "
         f"{recipe.warmup_steps} steps then cosine to 10 %, gradient clip 1, {recipe.batch_size} windows of "
         f"{recipe.seq_len} tokens a step; {pre['steps']} steps, {pre['tokens']:,} tokens, {pre['seconds']:.0f} s "
-        + (f"over {pre['calls']} calls resumed from a checkpoint (scripts/train_pair_calls.sh; the last call's "
-           "tokens/s) " if pre.get("calls", 1) > 1 else "")
+        + (f"over {calls} calls resumed from a checkpoint (scripts/train_pair_calls.sh; the last call's "
+           "tokens/s) " if calls > 1 else "")
         + f"({pre['tokens_per_second']:,.0f} tokens/s) on {metrics['device_name']} in "
         f"{'bf16 autocast' if 'cuda' in metrics['device'] else 'fp32'}; loss {pre['loss_first']:.3f} -> "
         f"{pre['loss_last']:.3f}.  Routed experts trained dense (`{pre['experts']}` form of the model's reference "
@@ -161,7 +162,7 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         f"`python -m training.run --out <dir> --device {'cpu --toy' if toy else 'cuda'}` with torch "
         f"{metrics['torch']}, Python {metrics['python']} (the corpus is the running interpreter's standard library "
         f"and installed packages: another Python or package version gives another corpus, see manifest.json), seed {metrics['seed']}.  Phase times"
-        + (" (the last call's)" if pre.get("calls", 1) > 1 else "") + ": "
+        + (" (the last call's)" if calls > 1 else "") + ": "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in metrics["phase_seconds"].items()) + ".",
         "",
     ]

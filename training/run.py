@@ -64,10 +64,10 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def _corpus_and_tokenizer(recipe, work: Path, clock, log):
-    """The corpus split (manifest.json and the main job's prompts.json written to ``work``), the
-    byte-level BPE and the encoded training and held-out streams:
-    (raw tokenizer, transformers tokenizer, train stream, held-out stream, manifest)."""
+def _corpus_and_tokenizer(recipe, clock, log):
+    """The corpus split, the main job's held-out prompts, the byte-level BPE and the encoded
+    training and held-out streams: (raw tokenizer, transformers tokenizer, train stream, held-out
+    stream, manifest.json's text, prompts.json's text)."""
     from . import tokenizer as tk
     from .data import encode_files
 
@@ -82,12 +82,10 @@ def _corpus_and_tokenizer(recipe, work: Path, clock, log):
                 f"{rec['version']}, {rec['license']}, {rec['files_used']} of {rec['files']} files used"))
     train_files, heldout_files = corpus.split(files, recipe.heldout_fraction)
     manifest = corpus.manifest(train_files, heldout_files, recipe.heldout_fraction, packages=packages)
-    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     # held-out code prompts for the main job (python -m torch_kdtree.demo)
     stdlib_heldout = [f for f in heldout_files if not f.path.startswith(corpus.PACKAGE_PREFIX)]
     prompts_doc = {"source": "held-out files of the standard library (manifest.json); each prompt is a def and the "
                              "lines after it", "prompts": corpus.demo_prompts(stdlib_heldout or heldout_files)}
-    (work / "prompts.json").write_text(json.dumps(prompts_doc, indent=2) + "\n", encoding="utf-8")
     log(f"  {manifest['train_files']} training files ({manifest['train_bytes'] / 1e6:.2f} MB), "
         f"{manifest['heldout_files']} held out ({manifest['heldout_bytes'] / 1e6:.2f} MB), Python "
         f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
@@ -100,7 +98,8 @@ def _corpus_and_tokenizer(recipe, work: Path, clock, log):
     heldout_stream = encode_files(raw, [f.text for f in heldout_files], special["bos"], special["eos"])
     log(f"  {len(tokenizer)} tokens; {train_stream.numel():,} training tokens "
         f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
-    return raw, tokenizer, train_stream, heldout_stream, manifest
+    return (raw, tokenizer, train_stream, heldout_stream, json.dumps(manifest, indent=2) + "\n",
+            json.dumps(prompts_doc, indent=2) + "\n")
 
 
 def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
@@ -138,17 +137,16 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
         restored = ckpt.load(checkpoint)
         raw, train_stream, heldout_stream = restored["raw_tokenizer"], restored["train_stream"], restored["heldout_stream"]
         manifest_text, prompts_text, state = restored["manifest"], restored["prompts"], restored["state"]
-        manifest = json.loads(manifest_text)
-        (work / "manifest.json").write_text(manifest_text, encoding="utf-8")
-        (work / "prompts.json").write_text(prompts_text, encoding="utf-8")
         tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
         log(f"  {checkpoint}: call {state['calls'] + 1}, {state['steps']} steps, {state['tokens']:,} tokens, "
             f"{state['seconds']:.1f} s of pre-training so far")
     else:
         state = None
-        raw, tokenizer, train_stream, heldout_stream, manifest = _corpus_and_tokenizer(recipe, work, clock, log)
-        manifest_text = (work / "manifest.json").read_text(encoding="utf-8")
-        prompts_text = (work / "prompts.json").read_text(encoding="utf-8")
+        raw, tokenizer, train_stream, heldout_stream, manifest_text, prompts_text = \
+            _corpus_and_tokenizer(recipe, clock, log)
+    (work / "manifest.json").write_text(manifest_text, encoding="utf-8")
+    (work / "prompts.json").write_text(prompts_text, encoding="utf-8")
+    manifest = json.loads(manifest_text)
     special = tk.special_ids(tokenizer)
     byte_lengths = tk.token_byte_lengths(tokenizer)
     scored_stream = heldout_stream[: recipe.eval_tokens + 1] if recipe.eval_tokens else heldout_stream
