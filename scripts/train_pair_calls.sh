@@ -38,8 +38,6 @@ echo "training ($MODE) rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote|continues|step .*(00|50) " "$OUT/train_$MODE.log" | tail -30
 [ $rc -eq 0 ] || exit $rc
 if [ -f "$ROOT/models/default_pair/metrics.json" ]; then  # the schedule ended in this call: the pair is written
-  cp "$ROOT/models/default_pair/metrics.json" "$OUT/metrics.json"
-  tar cf - -C "$ROOT" models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
-  ( cd "$ROOT/models/default_pair" && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
+  bash scripts/pack_pair.sh "$ROOT" "$OUT"
 fi
 ls -l "$OUT"

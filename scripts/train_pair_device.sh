@@ -25,7 +25,5 @@ rc=$?
 echo "training rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote" "$OUT/train.log" | tail -40
 [ $rc -eq 0 ] || exit $rc
-cp "$ROOT/models/default_pair/metrics.json" "$OUT/metrics.json"
-tar cf - -C "$ROOT" models/default_pair | split -b 15M -d - "$OUT/pair.tar.part-"
-( cd "$ROOT/models/default_pair" && find . -type f -exec sha256sum {} + | sort -k 2 ) > "$OUT/pair.sha256"
+bash scripts/pack_pair.sh "$ROOT" "$OUT"
 ls -l "$OUT"
