@@ -31,8 +31,10 @@ its shared experts, the routed experts its tokens actually routed to -- counted 
 one eager step per budget from the prompt's prefill -- the latent KV read, and the drafter's
 weights, its lm_head pass and its context read) over the HBM ceiling of bench/conftest.py (max of
 a read-only stream and a device copy, both measured in the same run), floor_ratio = floor / step;
-tokens/s inside the decoding steps (2000 tokens / summed step time) and wall-clock; transformers'
-DeepseekV3ForCausalLM.generate (eager) and its assisted generation with a one-layer random
+tokens/s inside the decoding steps (2000 tokens / summed step time) and wall-clock, with the oracle
+and with the random DFlash drafter alone (issue 44's "never loses" line: tree_budget="auto" must
+stay within 3 % of autoregressive decoding); the AR step of a drafter session against that of a
+plain session (same run); transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted generation with a one-layer random
 assistant, on the 2p2b configuration.
 """
 import functools
@@ -188,6 +190,17 @@ def test_step_time_against_tree_budget(benchmark, name, run_options):
                floor_ms=floor, floor_ratio=floor / ms[b], context=context, experts_touched=sum(routed[b]),
                experts_touched_per_layer="/".join(map(str, routed[b])), **need.fields(), **ceiling.fields())
     RESULTS[(name, "step_ms")] = ms
+    # the same AR step in a session without a drafter (what plain greedy decoding runs): the
+    # difference is what an AR step of a drafter session pays (its taps stored, and once per
+    # DEFER_ROWS steps the flush that appends them to the drafter's context, timed with the step)
+    plain = GenerationSession(model, None, batch_size=1, max_prompt=PROMPT, max_new=512, budgets=(0,),
+                              compile_step=COMPILE)
+    plain.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
+    plain.step(0)
+    plain_ms = plain.time_steps(0, 16) * 1e3
+    del plain
+    record(benchmark, op="ar_step_sessions", config=name, drafter_session_ms=ms[0], plain_session_ms=plain_ms,
+           ratio=ms[0] / plain_ms)
     if name == "2p2b":
         record(benchmark, op="target", what="B=16 step / AR step <= 1.5", value=ms[16] / ms[0])
 
@@ -248,6 +261,31 @@ def test_oracle_tokens_per_second(benchmark, name, accuracy, run_options):
         info.update(speedup_vs_ar=rate / ar["rate"],
                     equal_to_ar_tokens=int(same.long().cumprod(0).sum()))  # bf16 ties may end it early
     RESULTS[(name, "oracle", accuracy)] = rate
+    record(benchmark, **info)
+
+
+@pytest.mark.parametrize("name", _configs())
+def test_random_drafter_tokens_per_second(benchmark, name, run_options):
+    """Issue 44's "never loses" line: sustained DDTree generation, tree_budget="auto", with the
+    random DFlash drafter itself (no oracle: almost nothing accepted), tokens/s inside the steps
+    against the autoregressive run of test_autoregressive_tokens_per_second (run it first, in the
+    same process).  Also the exploring: tree steps of all steps."""
+    model = target(name)
+    TOKENS = run_options.tokens
+    model.generate(prompt(name), max_new_tokens=16, eos_token_id=None, drafter=drafter(name),
+                   tree_budget="auto")  # session + every budget's graph
+    out, wall, T = benchmark.pedantic(lambda: _generate(model, prompt(name), TOKENS, drafter=drafter(name),
+                                                        tree_budget="auto"), rounds=1, iterations=1)
+    rate = TOKENS / out.step_seconds
+    used = {b: out.budgets.count(b) for b in sorted(set(out.budgets))}
+    info = dict(op="ddtree_random_drafter", config=name, tokens=TOKENS, tokens_per_s=rate,
+                wall_tokens_per_s=TOKENS / wall, mean_accept=out.mean_accept_length, steps=len(out.budgets),
+                tree_steps=sum(n for b, n in used.items() if b), budgets_used=str(used))
+    ar = RESULTS.get((name, "ar"))
+    if ar is not None:
+        same = out.sequences[0, T:] == ar["sequences"][0, T:]
+        info.update(speedup_vs_ar=rate / ar["rate"], target_ratio=0.97,
+                    equal_to_ar_tokens=int(same.long().cumprod(0).sum()))
     record(benchmark, **info)
 
 

@@ -469,7 +469,8 @@ def test_planner_explores_then_picks_most_tokens_per_second():
     planner.observe(16, {4: (30.0, 10.0), 16: (50.0, 10.0)}, 4.0, 1)  # a(4) = 3, a(16) = 5
     assert (planner.current, planner.segment_steps) == (4, None)  # 3 / 2 > 5 / 4 > 1 / 1
     planner.observe(4, {4: (80.0, 80.0)}, 3.0, 8)  # the drafts got worse: a(4) ~ 1
-    assert planner.seconds[4] == 2.5  # step times follow the measurements
+    keep = 0.5 ** (8 / planner.time_half_life)  # step times follow the measurements, over ~16 steps
+    assert planner.seconds[4] == pytest.approx(2.0 * keep + 3.0 * (1 - keep))
     assert planner.current == 16  # the stale a(16) = 5: 5 / 4 > 1 / 1 > 1 / 2.5; running it measures it
     planner.observe(16, {4: (80.0, 80.0), 16: (96.0, 80.0)}, 4.0, 8)  # a(16) ~ 1.4 (new 1.2, old 5 aged)
     assert (planner.current, planner.segment_steps) == (0, None)  # 1 / 1 > 1.0 / 2.5 > 1.4 / 4

@@ -1,7 +1,10 @@
 """Choosing the tree budget B: expected accepted tokens per second of step time.
 
 A step with budget B costs t(B) (measured on this device: every candidate's captured step is
-timed once when the session is built, then re-measured from the segments that run it) and
+timed once when the session is built, then re-measured from the segments that run it, a moving
+average over ``time_half_life`` steps; an autoregressive step's drift, e.g. as its context grows,
+moves every tree's estimate by the same factor, so a tree last run hundreds of steps ago is not
+compared at its old, shorter context's cost) and
 accepts a(B) tokens per request on average.  The planner runs ``argmax_B a(B) / t(B)``; B = 0
 (an autoregressive step) always accepts exactly 1, so it is the fallback that never loses.
 
@@ -58,14 +61,16 @@ class BudgetPlanner:
         max_explore_steps: the longest one exploration runs while its answer is unclear.
         z: how many standard errors a(b) may be off before an exploration counts as clear.
         half_life: steps of generation after which an accept observation weighs half.
-        decay: weight of the old step time in each moving-average update.
+        time_half_life: steps after which a step-time measurement weighs half (a segment of
+            one step, as on the CPU, moves the estimate a little; one of eight, more).
 
     ``current`` is the budget of the next segment and ``segment_steps`` its length (None: the
     session's ``sync_every``).
     """
 
     def __init__(self, candidates, step_seconds: dict[int, float], *, share: float = 0.02, max_backoff: int = 1,
-                 max_explore_steps: int = 16, z: float = 1.5, half_life: float = 16.0, decay: float = 0.5):
+                 max_explore_steps: int = 16, z: float = 1.5, half_life: float = 16.0,
+                 time_half_life: float = 16.0):
         self.candidates = tuple(sorted(set(candidates)))
         missing = [b for b in self.candidates if b not in step_seconds]
         if missing:
@@ -74,7 +79,7 @@ class BudgetPlanner:
         self.accept = {b: (1.0 if b == 0 else None) for b in self.candidates}
         self.weight = {b: 0.0 for b in self.candidates}  # request-steps behind accept[b], aged
         self.share, self.max_backoff, self.max_explore_steps = share, max_backoff, max_explore_steps
-        self.z, self.half_life, self.decay = z, half_life, decay
+        self.z, self.half_life, self.time_half_life = z, half_life, time_half_life
         self.largest = self.candidates[-1]
         self.best = self.candidates[0]
         self.backoff = 0
@@ -100,7 +105,12 @@ class BudgetPlanner:
                 self.accept[b] = (old * w + total) / (w + count)
                 self.weight[b] = w + count
         if seconds_per_step is not None and budget in self.seconds:
-            self.seconds[budget] = self.decay * self.seconds[budget] + (1 - self.decay) * seconds_per_step
+            old, keep = self.seconds[budget], 0.5 ** (steps / self.time_half_life)
+            self.seconds[budget] = keep * old + (1 - keep) * seconds_per_step
+            if budget == 0:  # the context grew (or the machine got busier): trees drift alike
+                for b in self.candidates:
+                    if b:
+                        self.seconds[b] *= self.seconds[0] / old
         self.clock += steps * self.seconds.get(budget, 0.0)
         exploring = self.exploring
         before, self.best = self.best, self.choose()
