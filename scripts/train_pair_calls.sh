@@ -11,7 +11,8 @@
 # Defaults: TOTAL_MINUTES=12.5, CALL_MINUTES=8.0 (first) / 8.5 (resume), STEPS=8000 (the schedule
 # ends at whichever of steps or minutes comes first), CKPT=/tmp/kdtree_pretrain.  Two calls: 8 +
 # 4.5 minutes of pre-training, the second call ~8.5 minutes in all.  A call whose machine was given
-# back finds no checkpoint and says so (training/checkpoint.py).
+# back finds no checkpoint and says so (training/checkpoint.py).  The first call profiles 3 steps
+# after PROFILE_STEP=20 (kernel time against wall time, the top kernels: in its log).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,7 +25,7 @@ case "$MODE" in
   first)
     bash scripts/gpu_run.sh "" "" "" || exit 1  # the build (gpu.txt, build.log under $OUT)
     rm -rf "$CKPT" "$ROOT"
-    ARGS="--minutes $TOTAL --steps ${STEPS:-8000} --call-minutes ${CALL_MINUTES:-8.0}" ;;
+    ARGS="--minutes $TOTAL --steps ${STEPS:-8000} --call-minutes ${CALL_MINUTES:-8.0} --profile-step ${PROFILE_STEP:-20}" ;;
   resume)
     ARGS="--resume --call-minutes ${CALL_MINUTES:-8.5}" ;;
   *) echo "usage: bash scripts/train_pair_calls.sh first|resume" >&2; exit 2 ;;
@@ -35,7 +36,7 @@ timeout ${TRAIN_TIMEOUT:-585} python3 -m training.run --out "$ROOT/models/defaul
   --checkpoint "$CKPT" $ARGS > "$OUT/train_$MODE.log" 2>&1
 rc=$?
 echo "training ($MODE) rc=$rc in $(( $(date +%s) - t0 )) s"
-grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote|continues|step .*(00|50) " "$OUT/train_$MODE.log" | tail -30
+grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote|continues|step .*(00|50) |profile| ms  " "$OUT/train_$MODE.log" | tail -48
 [ $rc -eq 0 ] || exit $rc
 if [ -f "$ROOT/models/default_pair/metrics.json" ]; then  # the schedule ended in this call: the pair is written
   bash scripts/pack_pair.sh "$ROOT" "$OUT"

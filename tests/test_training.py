@@ -248,10 +248,16 @@ def test_training_steps_through_grouped_padded_experts_lower_the_loss():
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, 64, (4, 33), generator=gen)
     batches = iter([(data[:, :-1], data[:, 1:])] * 30)
+    lines = []
     result = train(model, batches, steps=30, minutes=5.0, lr=3e-3, warmup_steps=2, weight_decay=0.0,
-                   bias_update_speed=1e-3, experts="grouped_padded", log=lambda *_: None)
+                   bias_update_speed=1e-3, experts="grouped_padded", log=lines.append, profile_step=5)
     assert result["experts"] == "grouped_padded" and result["steps"] == 30
     assert result["loss_last"] < 0.8 * result["loss_first"]
+    # steps 6-8 ran under the profiler: its summary names the grouped GEMMs (the CPU's operators)
+    profile = [line for line in lines if "target profile of 3 steps" in line]
+    assert len(profile) == 1 and "ms per step (wall)" in profile[0]
+    at = lines.index(profile[0])
+    assert any("_grouped_mm" in line for line in lines[at + 1 : at + 16]), lines[at : at + 16]
 
 
 def test_pretraining_split_over_calls_resumes_where_it_stopped(tmp_path):
@@ -289,7 +295,8 @@ def test_training_cli_refuses_a_resume_without_a_checkpoint(tmp_path, capsys):
     for argv, message in ((["--toy", "--resume"], "need --checkpoint"),
                           (["--toy", "--call-minutes", "1"], "need --checkpoint"),
                           (["--toy", "--resume", "--checkpoint", str(tmp_path / "none")], "is not a pre-training checkpoint"),
-                          (["--toy", "--call-minutes", "0", "--checkpoint", str(tmp_path)], "--call-minutes must be > 0")):
+                          (["--toy", "--call-minutes", "0", "--checkpoint", str(tmp_path)], "--call-minutes must be > 0"),
+                          (["--toy", "--profile-step", "-1"], "--profile-step must be >= 0")):
         with pytest.raises(SystemExit):
             main(argv + ["--out", str(tmp_path / "pair")])
         assert message in capsys.readouterr().err, argv

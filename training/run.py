@@ -104,7 +104,7 @@ def _corpus_and_tokenizer(recipe, clock, log):
 
 def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
         log=_print, checkpoint: str | Path | None = None, resume: bool = False,
-        call_minutes: float | None = None) -> dict:
+        call_minutes: float | None = None, profile_step: int | None = None) -> dict:
     """Run the whole pipeline with ``recipe`` on ``device``; write the pair to ``out``; return the metrics.
 
     Pre-training over several calls (training/checkpoint.py): ``call_minutes`` ends this call's
@@ -161,7 +161,8 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     pretrain = train(model, batches, steps=recipe.steps, minutes=recipe.minutes, lr=recipe.lr,
                      warmup_steps=recipe.warmup_steps, weight_decay=recipe.weight_decay,
                      bias_update_speed=recipe.bias_update_speed, experts=experts, log=log,
-                     log_every=recipe.log_every, label="target", call_minutes=call_minutes, resume=state)
+                     log_every=recipe.log_every, label="target", call_minutes=call_minutes, resume=state,
+                     profile_step=profile_step)
     if not pretrain["finished"]:  # this call's time is up before the schedule's: leave the state for the next
         if checkpoint is None:
             raise ValueError("run: call_minutes ended pre-training before its schedule, and no checkpoint was given")
@@ -312,11 +313,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--resume", action="store_true",
                     help="continue the pre-training saved in --checkpoint (its corpus, tokenizer, weights, "
                          "optimizer and schedule); the call that ends the schedule finishes the pipeline")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="profile pre-training steps after this many of this call (3 steps; the summary -- device "
+                         "kernel time against wall time, the top kernels -- goes to the log)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: 1 with --toy, whose matrices are too small for more; else torch's)")
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be >= 1")
+    if args.profile_step is not None and args.profile_step < 0:
+        ap.error("--profile-step must be >= 0")
     if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
     if args.minutes is not None and args.minutes <= 0:
@@ -359,7 +365,7 @@ def main(argv=None) -> dict:
         recipe = recipe.replace(steps=saved["steps"], minutes=saved["minutes"])
     out = args.out or ("build/toy_pair" if args.toy else "build/smoke_pair" if args.smoke else "models/default_pair")
     return run(recipe, out, device, seed=args.seed, experts=args.experts, checkpoint=args.checkpoint,
-               resume=args.resume, call_minutes=args.call_minutes)
+               resume=args.resume, call_minutes=args.call_minutes, profile_step=args.profile_step)
 
 
 if __name__ == "__main__":

@@ -151,9 +151,39 @@ def next_token_loss(model, inputs, targets, plan) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
 
 
+PROFILE_STEPS = 3  # steps under the profiler when train(profile_step=...) asks for one
+
+
+def profile_summary(prof, steps: int, seconds: float, device, top: int = 15) -> list[str]:
+    """Where ``steps`` training steps of ``seconds`` (wall) went: on CUDA the kernels' own time
+    per step against the wall time (a step whose kernels fill much less than its wall time is
+    bound by the host: launches, syncs) and the kernels that took most of it; on the CPU the
+    operators with the most self time."""
+    events = prof.key_averages()
+    per_step = seconds / steps
+    if torch.device(device).type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+        launches = sum(e.count for e in kernels) / steps
+        lines = [f"profile of {steps} steps: {per_step * 1e3:.1f} ms per step (wall), kernels {busy * 1e3:.1f} ms "
+                 f"({busy / per_step:.0%} of it), {launches:.0f} kernel launches per step"]
+        ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
+        lines += [f"  {e.self_device_time_total / 1e3 / steps:8.2f} ms  {e.count / steps:6.0f} x  "
+                  f"{e.self_device_time_total / 1e6 / steps / max(busy, 1e-12):5.1%}  {e.key[:90]}" for e in ranked[:top]]
+        return lines
+    cpu = sum(e.self_cpu_time_total for e in events) / 1e6 / steps
+    lines = [f"profile of {steps} steps: {per_step * 1e3:.1f} ms per step (wall), operators' self time "
+             f"{cpu * 1e3:.1f} ms"]
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    lines += [f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} ms  {e.count / steps:6.0f} x  {e.key[:90]}"
+              for e in ranked[:top]]
+    return lines
+
+
 def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps: int, weight_decay: float,
           bias_update_speed: float, experts: str = "auto", qat: bool = False, log=print, log_every: int = 50,
-          label: str = "target", call_minutes: float | None = None, resume: dict | None = None) -> dict:
+          label: str = "target", call_minutes: float | None = None, resume: dict | None = None,
+          profile_step: int | None = None) -> dict:
     """Train ``model`` on ``batches`` (an iterator of (inputs, targets) [R, T]) for ``steps`` or
     ``minutes``, whichever ends first (the learning rate follows the further of the two); with
     ``qat`` the routed experts are fake-quantised to INT4 in every forward and backward.
@@ -161,8 +191,10 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
     A schedule may span several processes (a GPU lent in calls of ten minutes): ``call_minutes``
     stops this call early (after one step at least), and the next call passes the returned ``state`` as ``resume`` -- steps,
     tokens, seconds and losses so far, the optimizer's state and the expert load -- so the schedule
-    goes on where it stopped.  Returns the loss history, the step count, tokens seen, the time, the
-    expert load, ``finished`` (the schedule ran to its end) and that ``state``."""
+    goes on where it stopped.  ``profile_step``: the steps after this many of this call run under
+    torch.profiler (:data:`PROFILE_STEPS` of them; their summary, :func:`profile_summary`, is
+    logged).  Returns the loss history, the step count, tokens seen, the time, the expert load,
+    ``finished`` (the schedule ran to its end) and that ``state``."""
     device = model.model.embed_tokens.weight.device
     opt = optimizer(model, lr, weight_decay)
     load = ExpertLoad(model)
@@ -174,7 +206,8 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
     plan, shape = None, None
     history = list(prior.get("losses", []))
     step, tokens, before = prior.get("steps", 0), prior.get("tokens", 0), prior.get("seconds", 0.0)
-    call_tokens, start = 0, time.perf_counter()
+    call_tokens, call_steps, start = 0, 0, time.perf_counter()
+    prof, prof_start = None, 0.0
     window = torch.zeros_like(load.total)  # counts since the last progress line
     warmup = warmup_steps / max(steps, 1)
     finished = False
@@ -187,6 +220,11 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
                 break
             if call_minutes is not None and call_tokens and now >= 60 * call_minutes:  # a call makes >= 1 step
                 break
+            if profile_step is not None and call_steps == profile_step:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+                prof.__enter__()
+                prof_start = time.perf_counter()
             inputs, targets = next(batches)
             if shape != tuple(inputs.shape):
                 shape = tuple(inputs.shape)
@@ -204,9 +242,16 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             window += counts
             update_routing_bias(model, counts, bias_update_speed)
             step += 1
+            call_steps += 1
             tokens += inputs.numel()
             call_tokens += inputs.numel()
-            value = loss.detach().item()
+            value = loss.detach().item()  # waits for the step's kernels
+            if prof is not None and call_steps == profile_step + PROFILE_STEPS:
+                wall = time.perf_counter() - prof_start
+                prof.__exit__(None, None, None)
+                for line in profile_summary(prof, PROFILE_STEPS, wall, device):
+                    log(f"  {label} {line}")
+                prof = None
             if not math.isfinite(value):
                 raise FloatingPointError(f"{label}: loss is {value} at step {step}")
             history.append(value)
@@ -219,6 +264,8 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
                     f"load min/mean {balance:.2f}  {call_tokens / now:,.0f} tok/s  {before + now:6.1f} s")
     finally:
         load.remove()
+        if prof is not None:  # the schedule ended inside the profiled steps
+            prof.__exit__(None, None, None)
     now = time.perf_counter() - start
     seconds = before + now
     state = {"steps": step, "tokens": tokens, "seconds": seconds, "losses": history, "optimizer": opt.state_dict(),
@@ -231,4 +278,4 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
 
 
 __all__ = ["target_config", "build_target", "training_plan", "expert_form", "EXPERT_FORMS", "ExpertLoad", "update_routing_bias", "train",
-           "next_token_loss", "autocast", "moe_blocks"]
+           "next_token_loss", "autocast", "moe_blocks", "profile_summary", "PROFILE_STEPS"]
