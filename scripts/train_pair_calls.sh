@@ -12,7 +12,9 @@
 # ends at whichever of steps or minutes comes first), CKPT=/tmp/kdtree_pretrain.  Two calls: 8 +
 # 4.5 minutes of pre-training, the second call ~8.5 minutes in all.  A call whose machine was given
 # back finds no checkpoint and says so (training/checkpoint.py).  The first call profiles 3 steps
-# after PROFILE_STEP=20 (kernel time against wall time, the top kernels: in its log).
+# after PROFILE_STEP=20 (kernel time against wall time, the top kernels: in its log).  EXPERTS=looped
+# trains the routed experts without grouped GEMMs (auto: grouped_padded on CUDA), should the GPU
+# tests find grouped_padded wrong there.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -25,9 +27,10 @@ case "$MODE" in
   first)
     bash scripts/gpu_run.sh "" "" "" || exit 1  # the build (gpu.txt, build.log under $OUT)
     rm -rf "$CKPT" "$ROOT"
-    ARGS="--minutes $TOTAL --steps ${STEPS:-8000} --call-minutes ${CALL_MINUTES:-8.0} --profile-step ${PROFILE_STEP:-20}" ;;
+    ARGS="--minutes $TOTAL --steps ${STEPS:-8000} --call-minutes ${CALL_MINUTES:-8.0} --profile-step ${PROFILE_STEP:-20}
+          --experts ${EXPERTS:-auto}" ;;
   resume)
-    ARGS="--resume --call-minutes ${CALL_MINUTES:-8.5}" ;;
+    ARGS="--resume --call-minutes ${CALL_MINUTES:-8.5} --experts ${EXPERTS:-auto}" ;;
   *) echo "usage: bash scripts/train_pair_calls.sh first|resume" >&2; exit 2 ;;
 esac
 t0=$(date +%s)
