@@ -213,3 +213,26 @@ def test_noisy_one_step_segments_and_a_growing_context_do_not_tempt_it_into_tree
         trees = sum(h["steps"] for h in planner.history if h["budget"])
         assert trees <= 12, (seed, trees)  # the first look and a few more, no runs of trees
     assert statistics.mean(rates) >= 0.97 * ar, (statistics.mean(rates), ar)
+
+
+def test_a_tree_chosen_on_one_lucky_look_runs_a_step_at_a_time_until_it_is_confirmed():
+    """One request, a useless drafter whose first look happened to accept 10 tokens: the tree is
+    the choice (10 / 4 > 1 / 1) but rests on one request-step, so it runs single steps (a GPU
+    segment would be 8 of them) until PROBATION request-steps back it, and the next, ordinary step
+    sends the planner back to AR after one step, not eight."""
+    from torch_kdtree.models.generation.budget import PROBATION
+
+    planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
+    planner.observe(16, {16: (10.0, 1.0)}, 4.0, 1)  # the first look: a(16) = 10 on one request-step
+    assert (planner.current, planner.segment_steps) == (16, 1)
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # a(16) ~ 5.4: still the choice, still on probation
+    assert (planner.current, planner.segment_steps) == (16, 1)
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # ~3.9 < 4: AR again, after single steps only
+    assert planner.current == 0
+    # a drafter that keeps delivering is confirmed and gets whole segments
+    planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
+    steps = 0
+    while planner.segment_steps == 1:
+        planner.observe(16, {16: (10.0, 1.0)}, 4.0, 1)
+        steps += 1
+    assert planner.current == 16 and planner.weight[16] >= PROBATION and steps == 5  # ages 0.5 ** (1 / 16) a step

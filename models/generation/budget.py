@@ -28,11 +28,14 @@ at a time (``max_explore_steps`` at most), until no tree could still win given h
 a(b) rests on (it measures no tree, so a good drafter written off by a few unlucky steps would
 stay written off); otherwise it is one step.  An exploration that finds nothing better halves
 ``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
-drafter is looked at less often, a change of text is followed at once.
+drafter is looked at less often, a change of text is followed at once.  A tree that becomes the
+choice on the strength of few request-steps (one lucky look) runs a step at a time until its a(b)
+rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment.
 """
 from __future__ import annotations
 
 AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
+PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
 
 
 class FixedBudget:
@@ -169,7 +172,10 @@ class BudgetPlanner:
         # one step at the largest budget measures a(b) of every budget; one step per segment, so
         # an exploration stops as soon as its answer is clear
         self.current = self.largest if self.exploring else self.best
-        self.segment_steps = 1 if self.exploring else None
+        # a tree chosen on few request-steps (one lucky look) runs a step at a time until its
+        # a(b) rests on PROBATION of them: a wrong choice then costs a step, not a segment
+        thin = self.best != 0 and self.weight[self.best] < PROBATION
+        self.segment_steps = 1 if self.exploring or thin else None
 
 
 __all__ = ["AUTO_BUDGETS", "BudgetPlanner", "FixedBudget"]
