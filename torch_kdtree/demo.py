@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=_budget, default=None,
                     help="tree budget B in 1..1024, or 'auto' (default: 16 on a GPU; 8 on the CPU, where a verify "
                          "pass costs compute in proportion to its B + 1 nodes: with the default pair, DDTree / AR "
-                         "was 1.15-1.26x at 8 on a 2-core CPU, 2026-12-05; 6-10 within ~4 %%, 16 and 4 lower)")
+                         "was 1.14-1.26x at 8 on a 2-core CPU, 2026-12-05; 6-10 within ~4 %%, 16 and 4 lower)")
     ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=None,
                     help="the random drafter's block size (L = block size - 1), 2..16 (default 4; a trained "
                          "drafter has its own)")
