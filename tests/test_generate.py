@@ -12,7 +12,8 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import one_thread, requires_cuda_kernel
@@ -354,16 +355,23 @@ def test_eager_cpu_tree_passes_run_over_the_running_requests_only():
 def test_logits_processing_matches_transformers_warpers():
     g = torch.Generator().manual_seed(60)
     logits = torch.randn(3, 5, 50, generator=g) * 3
-    for temperature, top_k, top_p in ((1.0, 50, 1.0), (0.7, 10, 1.0), (1.3, 50, 0.8), (0.5, 7, 0.6), (1.0, 1, 0.3)):
+    for temperature, top_k, top_p, min_p in ((1.0, 50, 1.0, None), (0.7, 10, 1.0, None), (1.3, 50, 0.8, None),
+                                             (0.5, 7, 0.6, None), (1.0, 1, 0.3, None), (1.0, 50, 1.0, 0.05),
+                                             (0.7, 20, 0.9, 0.1), (1.3, 50, 1.0, 1.0), (1.0, 50, 1.0, 0.0)):
         ours = process_logits(logits, torch.full((3,), temperature), torch.full((3,), top_k),
-                              torch.full((3,), top_p))
+                              torch.full((3,), top_p), None if min_p is None else torch.full((3,), min_p))
         theirs = logits.view(15, 50)
         if temperature != 1.0:
             theirs = TemperatureLogitsWarper(temperature)(None, theirs)
         theirs = TopKLogitsWarper(top_k)(None, theirs)
         if top_p < 1.0:
             theirs = TopPLogitsWarper(top_p)(None, theirs)
-        assert torch.equal(ours.view(15, 50), theirs), (temperature, top_k, top_p)
+        if min_p is not None:
+            theirs = MinPLogitsWarper(min_p)(None, theirs)
+        assert torch.equal(ours.view(15, 50), theirs), (temperature, top_k, top_p, min_p)
+        if min_p:  # it removed something beyond what top-k / top-p did (else the case tests nothing)
+            assert (ours == float("-inf")).sum() > (process_logits(
+                logits, torch.full((3,), temperature), torch.full((3,), top_k), torch.full((3,), top_p)) == float("-inf")).sum()
 
 
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -380,7 +388,7 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
-def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, top_k, top_p) -> torch.Tensor:
+def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, top_k, top_p, min_p=None) -> torch.Tensor:
     """P(t_1 .. t_steps | prompt) for every sequence over the vocabulary, by enumeration."""
     V = model.config.vocab_size
     probs = torch.ones(1)
@@ -390,18 +398,20 @@ def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, to
             logits = model(prefixes).logits[:, -1:]
             n = prefixes.shape[0]
             p = process_logits(logits, torch.full((n,), float(temperature)), torch.full((n,), top_k),
-                               torch.full((n,), float(top_p))).softmax(-1)[:, 0]
+                               torch.full((n,), float(top_p)),
+                               None if min_p is None else torch.full((n,), float(min_p))).softmax(-1)[:, 0]
             probs = (probs[:, None] * p).reshape(-1)
             prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(n)[:, None]], dim=1)
     return probs
 
 
-@pytest.mark.parametrize("speculative,temperature,top_k,top_p", [
-    (None, 1.0, 0, 1.0),  # validates the harness: plain autoregressive sampling
-    ("ddtree", 1.0, 0, 1.0),
-    ("ddtree", 0.7, 2, 0.9),  # temperature, top-k and top-p on every node
+@pytest.mark.parametrize("speculative,temperature,top_k,top_p,min_p", [
+    (None, 1.0, 0, 1.0, None),  # validates the harness: plain autoregressive sampling
+    ("ddtree", 1.0, 0, 1.0, None),
+    ("ddtree", 0.7, 2, 0.9, None),  # temperature, top-k and top-p on every node
+    ("ddtree", 1.0, 0, 1.0, 0.3),  # min-p on every node
 ])
-def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p):
+def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p, min_p):
     """The first three generated tokens over a 3-token vocabulary (27 sequences): n = 1200
     requests in one batch against the enumerated autoregressive distribution, Pearson's
     chi-square; false-alarm rate 1e-3 per case (fixed seeds, so the outcome is deterministic).
@@ -409,19 +419,21 @@ def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, t
     2 and 3 come from one tree."""
     model = target(70, vocab_size=3, bos_token_id=1, eos_token_id=2)
     prompt = torch.tensor([1, 0, 2, 1, 1])
-    probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p)
+    probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p, min_p)
+    if min_p is not None:  # the case must test a cut: some sequence removed by min-p alone
+        assert (probs == 0).sum() > (_exact_distribution(model, prompt, 3, temperature, top_k, top_p) == 0).sum()
     n = 1200
     drafter = tiny_drafter(model, seed=71, block_size=4) if speculative else None
     torch.manual_seed(72)
     out = model.generate(prompt.repeat(n, 1), max_new_tokens=3, eos_token_id=None, do_sample=True,
-                         temperature=temperature, top_k=top_k, top_p=top_p, drafter=drafter, tree_budget=6,
-                         page_size=16, return_dict_in_generate=True)
+                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, drafter=drafter,
+                         tree_budget=6, page_size=16, return_dict_in_generate=True)
     gen = out.sequences[:, prompt.numel():]
     counts = torch.bincount((gen * torch.tensor([9, 3, 1])).sum(1), minlength=27)
     if speculative:
         walked = (out.accept_lengths[:, 0] >= 2).float().mean().item()
         assert walked > 0.5, walked  # sample-and-walk really emitted several samples from one tree
-    assert (counts[probs == 0] == 0).all()  # nothing outside the top-k / top-p support
+    assert (counts[probs == 0] == 0).all()  # nothing outside the top-k / top-p / min-p support
     assert _chi_square_p_value(counts, probs) > 1e-3
 
 
@@ -513,6 +525,8 @@ def test_generation_config_fields_and_refusals():
         model.generate(ids, max_new_tokens=2, num_beams=2)
     with pytest.raises(NotImplementedError, match="repetition_penalty"):
         model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="min_p must be in"):
+        model.generate(ids, max_new_tokens=2, do_sample=True, min_p=1.5)
     with pytest.raises(TypeError, match="unexpected"):
         model.generate(ids, max_new_tokens=2, not_a_field=1)
     with pytest.raises(ValueError, match="needs a drafter"):
@@ -522,6 +536,75 @@ def test_generation_config_fields_and_refusals():
     with pytest.raises(ValueError, match="contiguous"):
         model.generate(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 0, 1, 1]]),
                        max_new_tokens=2)
+
+
+def _min_new_oracle(model, prompt: torch.Tensor, n: int, eos: int, min_new: int) -> list:
+    """Greedy decoding by full forward passes, end-of-sequence masked by transformers' own
+    MinNewTokensLengthLogitsProcessor: the independent reference for min_new_tokens."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    proc = MinNewTokensLengthLogitsProcessor(prompt.numel(), min_new, eos)
+    seq = prompt[None]
+    with torch.no_grad():
+        for _ in range(n):
+            token = proc(seq, model(seq).logits[:, -1].float()).argmax(-1)
+            seq = torch.cat([seq, token[:, None]], 1)
+            if int(token) == eos:
+                break
+    return seq[0, prompt.numel():].tolist()
+
+
+def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
+    """A target whose greedy continuation soon hits the chosen end-of-sequence token: without
+    min_new_tokens generation stops there; with it the token is masked until that many new tokens
+    exist (then allowed), exactly as transformers' processor does it, and DDTree (an oracle and a
+    random DFlash drafter) emits the autoregressive tokens."""
+    model = target(83)
+    prompt = prompts(1, 83, lo=6, hi=6)[0][0]
+    free = model.generate(prompt[None], max_new_tokens=12, eos_token_id=None)[0, prompt.numel():].tolist()
+    j = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # a token new at step j + 1 >= 3
+    eos = free[j]
+    stopped = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert stopped[0, prompt.numel():].tolist() == free[: j + 1]
+    for min_new in (1, j, j + 1, 9):
+        want = _min_new_oracle(model, prompt, 12, eos, min_new)
+        assert eos not in want[:min_new] and (min_new > j or want == free[: j + 1])
+        assert min_new <= j or want[j] != eos  # held back where it would have ended
+        for drafter in (None, make_drafter("oracle", model, 0, 4), make_drafter("random_dflash", model, 1, 4)):
+            out = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, pad_token_id=0, min_new_tokens=min_new,
+                                 drafter=drafter, tree_budget=5, return_dict_in_generate=True)
+            got = out.sequences[0, prompt.numel():].tolist()
+            assert got == want + [0] * (len(got) - len(want)), (min_new, type(drafter).__name__, got, want)
+    # the mask inside a compiled step (fullgraph), as a CUDA session runs it
+    torch._dynamo.reset()
+    compiled = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, min_new_tokens=j + 1,
+                              drafter=make_drafter("random_dflash", model, 1, 4), tree_budget=5, compile_step="aot_eager")
+    torch._dynamo.reset()
+    assert compiled[0, prompt.numel():].tolist() == _min_new_oracle(model, prompt, 12, eos, j + 1)
+    with pytest.raises(ValueError, match="min_new_tokens must be"):
+        model.generate(prompt[None], max_new_tokens=4, eos_token_id=eos, min_new_tokens=-1)
+
+
+def test_min_new_tokens_with_sampling_and_batches():
+    """Sampled requests of different prompt lengths never end before min_new_tokens (the
+    end-of-sequence token is the most likely one from the start here), and do end after it."""
+    model = target(84)
+    ids, mask = prompts(6, 84)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None)[:, -1]
+    eos = int(first.mode().values)  # a likely first token: sampled often, early
+    drafter = make_drafter("random_dflash", model, 2, 4)
+    runs = {}
+    for min_new in (None, 5):
+        torch.manual_seed(5)
+        out = model.generate(ids.repeat(8, 1), attention_mask=mask.repeat(8, 1), max_new_tokens=16, eos_token_id=eos,
+                             pad_token_id=0, do_sample=True, min_new_tokens=min_new, drafter=drafter, tree_budget=6,
+                             return_dict_in_generate=True)
+        runs[min_new] = out.sequences[:, ids.shape[1]:]
+    assert (runs[None][:, :5] == eos).any(1).sum() >= 2  # without the rule some requests end this early
+    gen = runs[5]
+    assert not (gen[:, :5] == eos).any()
+    ended = (gen == eos).any(1)
+    assert ended.any()  # the rule held back, and then let through, the end-of-sequence token
 
 
 def test_profile_mode_reports_accept_lengths_and_phase_times():

@@ -163,6 +163,13 @@ def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
     report["fp8_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **fp8),
                                            want_fp8))
     report["auto_budgets"] = list(auto.budgets)
+    # min_new_tokens with two end-of-sequence ids, one request 0's third greedy token, one in the
+    # last vocabulary shard: held back for 6 tokens on each rank's columns, as in one process
+    eos = [int(want_ar[0, ids.shape[1] + 2]), target.config.vocab_size - 1]
+    mn = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=0, min_new_tokens=6)
+    want_mn = target.generate(ids, **mn)
+    report["min_new_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **mn),
+                                               want_mn)) and not bool((want_mn[:, ids.shape[1]:][:, :6] == eos[0]).any())
 
 
 def scenario_int4_load(report, mesh, tp_cls, checkpoint: str):
@@ -243,13 +250,13 @@ def scenario_token_choice(report, mesh, tp_cls):
     local = logits.chunk(tp.world, -1)[tp.rank].contiguous()
     report["argmax_equal"] = bool(torch.equal(select_tokens(local, SamplingMode(), None, tp), logits.argmax(-1)))
     params = SamplingParams(3, V, "cpu")
-    for filtered, top_k in ((False, None), (True, 5)):
-        mode = params.set(0.8, top_k, None)
+    for name, top_k, min_p in (("plain", None, None), ("filtered", 5, None), ("min_p", None, 0.2)):
+        mode = params.set(0.8, top_k, None, min_p)
         torch.manual_seed(99)
         want = select_tokens(logits, mode, params)
         torch.manual_seed(99)
         got = select_tokens(local, mode, params, tp)
-        report[f"sample_equal_{'filtered' if filtered else 'plain'}"] = bool(torch.equal(got, want))
+        report[f"sample_equal_{name}"] = bool(torch.equal(got, want))
     k = 6
     part = draft_topk_partial(local, k, tp.rank * local.shape[-1])
     merged = draft_topk_merge(tp.stack(part.values), tp.stack(part.token_ids), tp.stack(part.lse), k)

@@ -34,7 +34,7 @@ _NEUTRAL = {
     "num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
     "encoder_repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
-    "min_new_tokens": (None, 0), "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0),
+    "top_h": (None,), "typical_p": (None, 1.0),
     "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "suppress_tokens": (None,),
     "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
     "sequence_bias": (None,), "guidance_scale": (None, 1.0), "stop_strings": (None,), "max_time": (None,),
@@ -87,7 +87,7 @@ def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
         if getattr(config, name, None) not in neutral:
             raise NotImplementedError(f"generate: {name}={getattr(config, name)!r} is not supported "
                                       f"(supported: max_new_tokens, max_length, eos_token_id, pad_token_id, "
-                                      f"do_sample, temperature, top_k, top_p)")
+                                      f"min_new_tokens, do_sample, temperature, top_k, top_p, min_p)")
     return config
 
 
@@ -184,8 +184,8 @@ class DDTreeGenerationMixin(GenerationMixin):
 
         Args:
             generation_config / kwargs: transformers' fields ``max_new_tokens`` (or
-                ``max_length``), ``eos_token_id`` (int or list), ``pad_token_id``, ``do_sample``,
-                ``temperature``, ``top_k``, ``top_p``, ``return_dict_in_generate``; anything
+                ``max_length``), ``min_new_tokens``, ``eos_token_id`` (int or list), ``pad_token_id``, ``do_sample``,
+                ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``return_dict_in_generate``; anything
                 else that would change the output is refused by name.
             attention_mask: [R, T], one run of ones per row (left or right padding).
             speculative: ``"ddtree"`` (implied by a drafter) or None for autoregressive decoding.
@@ -261,9 +261,13 @@ class DDTreeGenerationMixin(GenerationMixin):
         _check_vocabulary(prompts, self.config.vocab_size)
 
         do_sample = bool(_value(config, "do_sample"))
-        sampling = (_value(config, "temperature"), _value(config, "top_k"), _value(config, "top_p")) if do_sample \
-            else None
-        mode = SamplingMode(do_sample, do_sample and ((0 < sampling[1] < self.config.vocab_size) or sampling[2] < 1.0))
+        sampling = (_value(config, "temperature"), _value(config, "top_k"), _value(config, "top_p"),
+                    getattr(config, "min_p", None)) if do_sample else None
+        min_new = getattr(config, "min_new_tokens", None) or 0
+        if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 0:
+            raise ValueError(f"generate: min_new_tokens must be an int >= 0, got {min_new!r}")
+        mode = SamplingMode(do_sample, do_sample and ((0 < sampling[1] < self.config.vocab_size) or sampling[2] < 1.0
+                                                      or bool(sampling[3])), min_new=min_new > 0 and bool(eos))
         if speculative is None:
             budgets, auto = (0,), False
         elif tree_budget == "auto":
@@ -281,7 +285,8 @@ class DDTreeGenerationMixin(GenerationMixin):
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
-        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk)
+        session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk,
+                        min_new_tokens=min_new if mode.min_new else 0)
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0

@@ -8,8 +8,9 @@ generator (graph-safe: each replay draws fresh numbers).
 
 Logits processing follows transformers' warpers exactly, in their order: temperature, top-k
 (ties with the k-th value kept), top-p (``cumsum(softmax(ascending)) <= 1 - top_p`` removed,
-the most likely token always kept).  The parameters are device tensors with one value per
-request, so changing them needs no new graph.
+the most likely token always kept), min-p (tokens whose probability after the others is below
+``min_p`` times the most likely one's removed).  The parameters are device tensors with one value
+per request, so changing them needs no new graph.
 """
 from __future__ import annotations
 
@@ -22,25 +23,31 @@ import torch
 class SamplingMode:
     """The structural part of token selection (fixed when a step is captured).
 
-    do_sample: Gumbel-max sampling, else argmax.  filtered: top-k / top-p masking is applied
-    (two sorts over the vocabulary per node, skipped when neither is in use).
+    do_sample: Gumbel-max sampling, else argmax.  filtered: top-k / top-p / min-p masking is
+    applied (two sorts and a softmax over the vocabulary per node, skipped when none is in use).
+    min_new: the end-of-sequence tokens are masked at nodes whose request has emitted fewer than
+    its ``min_new_tokens`` (transformers' MinNewTokensLengthLogitsProcessor; one elementwise pass
+    over the logits, skipped when no request asks for it).
     """
 
     do_sample: bool = False
     filtered: bool = False
+    min_new: bool = False
 
 
 class SamplingParams:
     """Per-request sampling parameters on the device: temperature float32 [R], top_k int64 [R]
-    (V = no top-k), top_p float32 [R] (1.0 = no top-p)."""
+    (V = no top-k), top_p float32 [R] (1.0 = no top-p), min_p float32 [R] (0.0 = no min-p)."""
 
     def __init__(self, batch_size: int, vocab_size: int, device):
         self.vocab_size = vocab_size
         self.temperature = torch.ones(batch_size, dtype=torch.float32, device=device)
         self.top_k = torch.full((batch_size,), vocab_size, dtype=torch.int64, device=device)
         self.top_p = torch.ones(batch_size, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(batch_size, dtype=torch.float32, device=device)
 
-    def set(self, temperature: float, top_k: int | None, top_p: float | None) -> SamplingMode:
+    def set(self, temperature: float, top_k: int | None, top_p: float | None,
+            min_p: float | None = None) -> SamplingMode:
         """Fill the buffers in place; returns the mode these values need (filtered or not)."""
         if not temperature > 0:
             raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature}")
@@ -48,19 +55,23 @@ class SamplingParams:
             raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"generate: top_k must be >= 0, got {top_k}")
+        if min_p is not None and not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"generate: min_p must be in [0, 1], got {min_p}")
         k = self.vocab_size if not top_k else min(int(top_k), self.vocab_size)
         p = 1.0 if top_p is None else float(top_p)
+        m = 0.0 if min_p is None else float(min_p)
         self.temperature.fill_(float(temperature))
         self.top_k.fill_(k)
         self.top_p.fill_(p)
-        return SamplingMode(do_sample=True, filtered=k < self.vocab_size or p < 1.0)
+        self.min_p.fill_(m)
+        return SamplingMode(do_sample=True, filtered=k < self.vocab_size or p < 1.0 or m > 0.0)
 
 
 def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """float32 scores [R, N, V] after temperature, top-k (``top_k <= 0``: none) and top-p
-    (removed entries -inf), as transformers' TemperatureLogitsWarper, TopKLogitsWarper and
-    TopPLogitsWarper compute them."""
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 scores [R, N, V] after temperature, top-k (``top_k <= 0``: none), top-p and min-p
+    (``min_p`` None or 0: none; removed entries -inf), as transformers' TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper compute them, in that order."""
     scores = logits.float() / temperature[:, None, None]
     V = scores.shape[-1]
     k = torch.where(top_k > 0, top_k, V).clamp(1, V)
@@ -70,7 +81,12 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     ascending, order = scores.sort(dim=-1)
     remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None, None]
     remove[..., -1] = False
-    return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    if min_p is None:
+        return scores
+    # min-p on what top-k / top-p left: the most likely token is never below min_p (<= 1) of itself
+    probs = scores.softmax(dim=-1)
+    return scores.masked_fill(probs < min_p[:, None, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def gumbel_like(scores: torch.Tensor) -> torch.Tensor:
@@ -106,7 +122,7 @@ def select_tokens(logits: torch.Tensor, mode: SamplingMode, params: SamplingPara
     if not mode.do_sample:
         return argmax_last(logits)
     if mode.filtered:
-        scores = process_logits(logits, params.temperature, params.top_k, params.top_p)
+        scores = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     else:
         scores = logits.float() / params.temperature[:, None, None]
     return argmax_last(scores + gumbel_like(scores))
@@ -119,7 +135,7 @@ def select_tokens_sharded(logits: torch.Tensor, mode: SamplingMode, params: Samp
     first maximum, gathered, the first rank holding the largest (ties to the lower global id, as
     ``argmax``).  Gumbel-max: every rank draws the noise of the whole vocabulary from the default
     generator (in step on every rank of the SPMD loop, so the same numbers an unsharded draw
-    gives) and keeps its shard's part.  With top-k / top-p the shards' logits are gathered."""
+    gives) and keeps its shard's part.  With top-k / top-p / min-p the shards' logits are gathered."""
     if mode.do_sample and mode.filtered:
         return select_tokens(tp.all_gather(logits, -1), mode, params)
     local = logits.shape[-1]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -255,6 +256,10 @@ class GenerationSession:
         self.done = torch.ones(batch_size, dtype=torch.bool, device=dev)  # nothing commits before a prefill
         self.max_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.int64, device=dev)
+        # min_new_tokens (mode.min_new): per request, and which of this rank's logits columns are an EOS
+        self.min_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        tp_world = self.tp.world if self.tp is not None else 1
+        self.eos_columns = torch.zeros(self.vocab // tp_world, dtype=torch.bool, device=dev)
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
         self.cf_sum = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
@@ -333,7 +338,7 @@ class GenerationSession:
         self._phase("verify")
         positions = cache.lengths.long()[:, None] + tree.depths.clamp(min=0).long()
         logits, taps = self._verify(tree, positions, budget, active)
-        post = select_tokens(logits, self.mode, self.params, self.tp)
+        post = self._select(logits, tree.depths.clamp(min=0).long())
         self._phase("accept")
         acc = tree_accept(tree.tokens, tree.parents, post)
         self._phase("commit")
@@ -385,7 +390,7 @@ class GenerationSession:
         self._phase("verify")
         out = target(self.root[:, None], cache.lengths.long()[:, None], cache, self._ones, tap_layers=self.taps,
                      plan=self.plan[0])
-        post = select_tokens(out.logits, self.mode, self.params, self.tp)[:, 0]
+        post = self._select(out.logits)[:, 0]
         self._phase("commit")
         count = active.to(torch.int32)
         if self.defer:  # stored: the next tree step's flush appends them to the drafter's context
@@ -399,6 +404,17 @@ class GenerationSession:
         self.root.copy_(torch.where(active, post, self.root))
         self._record(count, active, None, 0)
         self._phase(None)
+
+    def _select(self, logits: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's token at each node (select_tokens), after masking the end-of-sequence
+        columns at nodes that come before their request's ``min_new_tokens``-th new token: node
+        (r, i) at ``depths[r, i]`` below the root (None: the root alone) predicts the request's
+        token number out_len[r] + depth + 1, so out_len[r] + depth tokens precede it."""
+        if self.mode.min_new:
+            made = self.out_len[:, None] + (0 if depths is None else depths)
+            early = made < self.min_new_t[:, None]  # [R, N]
+            logits = logits.masked_fill(early[..., None] & self.eos_columns, float("-inf"))
+        return select_tokens(logits, self.mode, self.params, self.tp)
 
     def _flush(self) -> None:
         """Append the stored AR steps' taps to the drafter's context (rows in step order)."""
@@ -596,8 +612,8 @@ class GenerationSession:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, *, max_new: int, eos: list[int],
-                sampling: tuple[float, int | None, float | None] | None = None,
-                prefill_chunk_size: int | None = None) -> None:
+                sampling: tuple[float, int | None, float | None, float | None] | None = None,
+                prefill_chunk_size: int | None = None, min_new_tokens: int = 0) -> None:
         """Start R requests: right-padded prompts ``ids`` [R, T] with ``lengths`` [R]; the
         first token is chosen here (as every later one: argmax or a Gumbel-max sample).
 
@@ -605,7 +621,8 @@ class GenerationSession:
         session's), each chunk committed (the cache's lengths, the drafter's context) before the
         next attends to it; only each request's last hidden state is kept, so memory is bounded
         by the chunk, and the cache, the drafter's context and the first token are those of a
-        one-pass prefill (to fp32 rounding)."""
+        one-pass prefill (to fp32 rounding).  ``min_new_tokens``: no end-of-sequence token before
+        that many new tokens (a session built with ``mode.min_new``)."""
         from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
         R, T = ids.shape
@@ -617,9 +634,17 @@ class GenerationSession:
         chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
         self.reset()
         if sampling is not None:
-            if self.params.set(*sampling) != self.mode:
+            if replace(self.params.set(*sampling), min_new=self.mode.min_new) != self.mode:
                 raise ValueError("GenerationSession: sampling parameters need a different captured mode")
+        if min_new_tokens and not self.mode.min_new:
+            raise ValueError("GenerationSession: min_new_tokens needs a session built with SamplingMode(min_new=True)")
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
+        self.min_new_t.fill_(int(min_new_tokens))
+        self.eos_columns.zero_()
+        start = self.tp.rank * self.eos_columns.shape[0] if self.tp is not None else 0
+        local = [e - start for e in eos if 0 <= e - start < self.eos_columns.shape[0]]
+        if local:
+            self.eos_columns[torch.tensor(local, dtype=torch.int64, device=self.device)] = True
         self.max_new_t.fill_(max_new)
         self._gen_max_new, self._gen_eos = max_new, list(eos)
         longest = int(torch.as_tensor(lengths).max()) if R else 0
@@ -639,7 +664,7 @@ class GenerationSession:
             if self.drafter is not None:
                 self.drafter.append_context(out.taps, n)
             del out
-        first = select_tokens(self.target.lm_head(last)[:, None], self.mode, self.params, self.tp)[:, 0]
+        first = self._select(self.target.lm_head(last)[:, None])[:, 0]
         self.root.copy_(first)
         self.out[:, 0] = first
         self.out_len.fill_(1)
