@@ -559,8 +559,8 @@ def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
     min_new_tokens generation stops there; with it the token is masked until that many new tokens
     exist (then allowed), exactly as transformers' processor does it, and DDTree (an oracle and a
     random DFlash drafter) emits the autoregressive tokens."""
-    model = target(83)
-    prompt = prompts(1, 83, lo=6, hi=6)[0][0]
+    model = target(86)
+    prompt = prompts(1, 86, lo=6, hi=6)[0][0]
     free = model.generate(prompt[None], max_new_tokens=12, eos_token_id=None)[0, prompt.numel():].tolist()
     j = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # a token new at step j + 1 >= 3
     eos = free[j]
@@ -588,8 +588,8 @@ def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
 def test_min_new_tokens_with_sampling_and_batches():
     """Sampled requests of different prompt lengths never end before min_new_tokens (the
     end-of-sequence token is the most likely one from the start here), and do end after it."""
-    model = target(84)
-    ids, mask = prompts(6, 84)
+    model = target(87)
+    ids, mask = prompts(6, 87)
     first = model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None)[:, -1]
     eos = int(first.mode().values)  # a likely first token: sampled often, early
     drafter = make_drafter("random_dflash", model, 2, 4)
