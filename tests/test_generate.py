@@ -523,8 +523,10 @@ def test_generation_config_fields_and_refusals():
     assert torch.equal(model.generate(ids, max_length=4), ids)  # nothing left to generate
     with pytest.raises(NotImplementedError, match="num_beams"):
         model.generate(ids, max_new_tokens=2, num_beams=2)
-    with pytest.raises(NotImplementedError, match="repetition_penalty"):
-        model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
+    with pytest.raises(NotImplementedError, match="no_repeat_ngram_size"):
+        model.generate(ids, max_new_tokens=2, no_repeat_ngram_size=3)
+    with pytest.raises(ValueError, match="repetition_penalty must be"):
+        model.generate(ids, max_new_tokens=2, repetition_penalty=0.0)
     with pytest.raises(ValueError, match="min_p must be in"):
         model.generate(ids, max_new_tokens=2, do_sample=True, min_p=1.5)
     with pytest.raises(TypeError, match="unexpected"):
@@ -583,6 +585,86 @@ def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
     assert compiled[0, prompt.numel():].tolist() == _min_new_oracle(model, prompt, 12, eos, j + 1)
     with pytest.raises(ValueError, match="min_new_tokens must be"):
         model.generate(prompt[None], max_new_tokens=4, eos_token_id=eos, min_new_tokens=-1)
+
+
+def _penalty_oracle(model, prompt: torch.Tensor, n: int, penalty: float) -> list:
+    """Greedy decoding by full forward passes through transformers' own
+    RepetitionPenaltyLogitsProcessor: the independent reference for repetition_penalty."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    proc = RepetitionPenaltyLogitsProcessor(penalty)
+    seq = prompt[None]
+    with torch.no_grad():
+        for _ in range(n):
+            token = proc(seq, model(seq).logits[:, -1].float()).argmax(-1)
+            seq = torch.cat([seq, token[:, None]], 1)
+    return seq[0, prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_as_transformers_applies_it(penalty):
+    """Greedy tokens under repetition_penalty (> 1 discourages repeats, < 1 encourages them) equal
+    transformers' processor over full forward passes, for AR and for DDTree (an oracle and a
+    random DFlash drafter: each tree node is penalised for the drafts on its own path) and in a
+    compiled step; and the penalty changed the output (else the test would test nothing)."""
+    model = target(88, logit_scale=0.3)  # flat logits: the penalty decides many tokens
+    prompt = prompts(1, 88, lo=8, hi=8)[0][0]
+    want = _penalty_oracle(model, prompt, 16, penalty)
+    assert want != model.generate(prompt[None], max_new_tokens=16, eos_token_id=None)[0, prompt.numel():].tolist()
+    for drafter in (None, make_drafter("oracle", model, 0, 4), make_drafter("random_dflash", model, 1, 4)):
+        got = model.generate(prompt[None], max_new_tokens=16, eos_token_id=None, repetition_penalty=penalty,
+                             drafter=drafter, tree_budget=7)
+        assert got[0, prompt.numel():].tolist() == want, type(drafter).__name__
+    torch._dynamo.reset()
+    compiled = model.generate(prompt[None], max_new_tokens=16, eos_token_id=None, repetition_penalty=penalty,
+                              drafter=make_drafter("random_dflash", model, 1, 4), tree_budget=7, compile_step="aot_eager")
+    torch._dynamo.reset()
+    assert compiled[0, prompt.numel():].tolist() == want
+    # a batch of prompts of other lengths (left-padded): each request penalises its own tokens only
+    ids, mask = prompts(3, 89, lo=4, hi=9)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, repetition_penalty=penalty,
+                         drafter=make_drafter("random_dflash", model, 1, 4), tree_budget=5)
+    for r in range(3):
+        real = ids[r][mask[r].bool()]
+        assert out[r, ids.shape[1]:].tolist() == _penalty_oracle(model, real, 10, penalty), r
+
+
+def test_repetition_penalty_covers_each_nodes_own_path():
+    """The penalty a tree node gets is the one its prediction would get in autoregressive decoding:
+    the prompt, the emitted tokens and the drafts on its own path below the root -- not its
+    siblings' or cousins' -- checked node by node against transformers' processor on that
+    sequence, with a small token range so that paths repeat tokens of the prompt and of each other."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from torch_kdtree.models.generation import GenerationSession, SamplingMode
+
+    model = target(88, logit_scale=0.3)
+    V, R, L, K, B = model.config.vocab_size, 2, 4, 5, 14
+    session = GenerationSession(model, make_drafter("random_dflash", model, 1, L + 1), batch_size=R, max_prompt=9,
+                                max_new=32, budgets=(0, B), mode=SamplingMode(penalty=True))
+    ids, mask = prompts(R, 90, vocab=12, lo=5, hi=9, left=False)
+    session.prefill(ids, mask.sum(1), max_new=32, eos=[], repetition_penalty=1.5)
+    g = torch.Generator().manual_seed(91)
+    lp = torch.randn(R, L, K, generator=g).sort(-1, descending=True).values
+    tok = torch.stack([torch.stack([torch.randperm(12, generator=g)[:K] for _ in range(L)]) for _ in range(R)])
+    tree = ddtree_build(lp, tok, session.root.clone(), B)
+    logits = torch.randn(R, B + 1, V, generator=g)
+    logits[..., :12] += 1.0  # the repeated tokens compete for the argmax
+    got = session._select(logits, tree.depths.clamp(min=0).long(), tree)
+    proc = RepetitionPenaltyLogitsProcessor(1.5)
+    repeats = 0
+    for r in range(R):
+        context = ids[r][mask[r].bool()].tolist() + [int(session.root[r])]
+        for i in range(B + 1):
+            path, j = [], i
+            while j > 0:
+                path.append(int(tree.tokens[r, j]))
+                j = int(tree.parents[r, j])
+            seq = context + path[::-1]
+            repeats += len(seq) - len(set(seq))
+            want = proc(torch.tensor([seq]), logits[r, i][None].clone()).argmax(-1)
+            assert int(got[r, i]) == int(want), (r, i, seq)
+    assert repeats > 0
 
 
 def test_min_new_tokens_with_sampling_and_batches():

@@ -170,6 +170,11 @@ def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
     want_mn = target.generate(ids, **mn)
     report["min_new_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **mn),
                                                want_mn)) and not bool((want_mn[:, ids.shape[1]:][:, :6] == eos[0]).any())
+    # repetition_penalty: each rank penalises its own columns of the prompt, the output and the paths
+    rp = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=None, repetition_penalty=1.4)
+    want_rp = target.generate(ids, **rp)
+    report["penalty_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **rp),
+                                               want_rp)) and not bool(torch.equal(want_rp, want_ar))
 
 
 def scenario_int4_load(report, mesh, tp_cls, checkpoint: str):

@@ -31,7 +31,7 @@ MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recent
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
 _NEUTRAL = {
-    "num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
+    "num_beams": (None, 1), "num_return_sequences": (None, 1),
     "encoder_repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
     "top_h": (None,), "typical_p": (None, 1.0),
@@ -87,7 +87,8 @@ def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
         if getattr(config, name, None) not in neutral:
             raise NotImplementedError(f"generate: {name}={getattr(config, name)!r} is not supported "
                                       f"(supported: max_new_tokens, max_length, eos_token_id, pad_token_id, "
-                                      f"min_new_tokens, do_sample, temperature, top_k, top_p, min_p)")
+                                      f"min_new_tokens, repetition_penalty, do_sample, temperature, top_k, top_p, "
+                                      f"min_p)")
     return config
 
 
@@ -184,7 +185,8 @@ class DDTreeGenerationMixin(GenerationMixin):
 
         Args:
             generation_config / kwargs: transformers' fields ``max_new_tokens`` (or
-                ``max_length``), ``min_new_tokens``, ``eos_token_id`` (int or list), ``pad_token_id``, ``do_sample``,
+                ``max_length``), ``min_new_tokens``, ``repetition_penalty``, ``eos_token_id`` (int or list),
+                ``pad_token_id``, ``do_sample``,
                 ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``return_dict_in_generate``; anything
                 else that would change the output is refused by name.
             attention_mask: [R, T], one run of ones per row (left or right padding).
@@ -266,8 +268,13 @@ class DDTreeGenerationMixin(GenerationMixin):
         min_new = getattr(config, "min_new_tokens", None) or 0
         if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 0:
             raise ValueError(f"generate: min_new_tokens must be an int >= 0, got {min_new!r}")
+        penalty = getattr(config, "repetition_penalty", None)
+        penalty = 1.0 if penalty is None else penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0:
+            raise ValueError(f"generate: repetition_penalty must be a float > 0, got {penalty!r}")
         mode = SamplingMode(do_sample, do_sample and ((0 < sampling[1] < self.config.vocab_size) or sampling[2] < 1.0
-                                                      or bool(sampling[3])), min_new=min_new > 0 and bool(eos))
+                                                      or bool(sampling[3])), min_new=min_new > 0 and bool(eos),
+                            penalty=penalty != 1.0)
         if speculative is None:
             budgets, auto = (0,), False
         elif tree_budget == "auto":
@@ -286,7 +293,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
         session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk,
-                        min_new_tokens=min_new if mode.min_new else 0)
+                        min_new_tokens=min_new if mode.min_new else 0, repetition_penalty=float(penalty))
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0

@@ -27,12 +27,15 @@ class SamplingMode:
     applied (two sorts and a softmax over the vocabulary per node, skipped when none is in use).
     min_new: the end-of-sequence tokens are masked at nodes whose request has emitted fewer than
     its ``min_new_tokens`` (transformers' MinNewTokensLengthLogitsProcessor; one elementwise pass
-    over the logits, skipped when no request asks for it).
+    over the logits, skipped when no request asks for it).  penalty: ``repetition_penalty`` on the
+    tokens each node's prediction follows -- the prompt, the emitted tokens and the node's path in
+    the tree (transformers' RepetitionPenaltyLogitsProcessor).
     """
 
     do_sample: bool = False
     filtered: bool = False
     min_new: bool = False
+    penalty: bool = False
 
 
 class SamplingParams:

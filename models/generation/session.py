@@ -260,6 +260,10 @@ class GenerationSession:
         self.min_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         tp_world = self.tp.world if self.tp is not None else 1
         self.eos_columns = torch.zeros(self.vocab // tp_world, dtype=torch.bool, device=dev)
+        # repetition_penalty (mode.penalty): which of this rank's columns each request's prompt and
+        # output hold (one more column: the sink of masked writes), and the penalty per request
+        self.seen = torch.zeros(batch_size, self.vocab // tp_world + 1, dtype=torch.bool, device=dev)
+        self.penalty_t = torch.ones(batch_size, dtype=torch.float32, device=dev)
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
         self.cf_sum = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
@@ -338,7 +342,7 @@ class GenerationSession:
         self._phase("verify")
         positions = cache.lengths.long()[:, None] + tree.depths.clamp(min=0).long()
         logits, taps = self._verify(tree, positions, budget, active)
-        post = self._select(logits, tree.depths.clamp(min=0).long())
+        post = self._select(logits, tree.depths.clamp(min=0).long(), tree)
         self._phase("accept")
         acc = tree_accept(tree.tokens, tree.parents, post)
         self._phase("commit")
@@ -405,16 +409,45 @@ class GenerationSession:
         self._record(count, active, None, 0)
         self._phase(None)
 
-    def _select(self, logits: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's token at each node (select_tokens), after masking the end-of-sequence
-        columns at nodes that come before their request's ``min_new_tokens``-th new token: node
-        (r, i) at ``depths[r, i]`` below the root (None: the root alone) predicts the request's
-        token number out_len[r] + depth + 1, so out_len[r] + depth tokens precede it."""
+    def _select(self, logits: torch.Tensor, depths: torch.Tensor | None = None, tree=None) -> torch.Tensor:
+        """The target's token at each node (select_tokens), after transformers' logits processors
+        in their order:
+
+        - repetition_penalty (``mode.penalty``): node (r, i)'s prediction follows the prompt, the
+          emitted tokens (``seen``) and the drafts on its path below the root (``tree``: its
+          ``visible`` row); each of those columns is divided by the penalty (multiplied where
+          negative).  None: the root alone (an AR step, a prefill), whose tokens are all emitted.
+        - min_new_tokens (``mode.min_new``): the end-of-sequence columns are masked at nodes
+          before their request's ``min_new_tokens``-th new token: node (r, i) at ``depths[r, i]``
+          below the root (None: the root alone) predicts token number out_len[r] + depth + 1."""
+        if self.mode.penalty:
+            V = self.seen.shape[1] - 1
+            hit = self.seen[:, None, :V]  # [R, 1, V]
+            if tree is not None:  # the drafts on each node's path: [R, N, N] visible x their tokens
+                start = self.tp.rank * V if self.tp is not None else 0
+                local = tree.tokens - start
+                col = torch.where((local >= 0) & (local < V), local, V)[:, None, :].expand(tree.visible.shape)
+                path = torch.zeros(*tree.visible.shape[:2], V + 1, dtype=torch.uint8, device=logits.device)
+                path = path.scatter_reduce(-1, col, tree.visible.to(torch.uint8), reduce="amax")
+                hit = hit | path[..., :V].bool()
+            scores = logits.float()
+            p = self.penalty_t[:, None, None]
+            logits = torch.where(hit, torch.where(scores < 0, scores * p, scores / p), scores)
         if self.mode.min_new:
             made = self.out_len[:, None] + (0 if depths is None else depths)
             early = made < self.min_new_t[:, None]  # [R, N]
             logits = logits.masked_fill(early[..., None] & self.eos_columns, float("-inf"))
         return select_tokens(logits, self.mode, self.params, self.tp)
+
+    def _mark_seen(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        """``seen[r, t] = True`` for this rank's columns of tokens [R, A] where ``valid``; the
+        rest go to the sink column (every write is True, so repeated columns are harmless)."""
+        V = self.seen.shape[1] - 1
+        start = self.tp.rank * V if self.tp is not None else 0
+        local = tokens - start
+        col = torch.where(valid & (local >= 0) & (local < V), local, V)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(col)
+        self.seen.index_put_((rows, col), torch.ones_like(col, dtype=torch.bool))
 
     def _flush(self) -> None:
         """Append the stored AR steps' taps to the drafter's context (rows in step order)."""
@@ -436,6 +469,8 @@ class GenerationSession:
         # sink column either way
         rows = torch.arange(new.shape[0], device=new.device)[:, None].expand_as(col)
         self.out.index_put_((rows, col), new)
+        if self.mode.penalty:
+            self._mark_seen(new, valid)
         hit_eos = (self._is_eos(new) & valid).any(1)
         self.out_len.add_(torch.where(active, count.long(), 0))
         self.done.logical_or_(hit_eos | (self.out_len >= self.max_new_t))
@@ -613,7 +648,8 @@ class GenerationSession:
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, *, max_new: int, eos: list[int],
                 sampling: tuple[float, int | None, float | None, float | None] | None = None,
-                prefill_chunk_size: int | None = None, min_new_tokens: int = 0) -> None:
+                prefill_chunk_size: int | None = None, min_new_tokens: int = 0,
+                repetition_penalty: float = 1.0) -> None:
         """Start R requests: right-padded prompts ``ids`` [R, T] with ``lengths`` [R]; the
         first token is chosen here (as every later one: argmax or a Gumbel-max sample).
 
@@ -622,7 +658,8 @@ class GenerationSession:
         next attends to it; only each request's last hidden state is kept, so memory is bounded
         by the chunk, and the cache, the drafter's context and the first token are those of a
         one-pass prefill (to fp32 rounding).  ``min_new_tokens``: no end-of-sequence token before
-        that many new tokens (a session built with ``mode.min_new``)."""
+        that many new tokens (a session built with ``mode.min_new``); ``repetition_penalty``: on
+        the prompt's and the output's tokens (``mode.penalty``)."""
         from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
         R, T = ids.shape
@@ -638,6 +675,11 @@ class GenerationSession:
                 raise ValueError("GenerationSession: sampling parameters need a different captured mode")
         if min_new_tokens and not self.mode.min_new:
             raise ValueError("GenerationSession: min_new_tokens needs a session built with SamplingMode(min_new=True)")
+        if repetition_penalty != 1.0 and not self.mode.penalty:
+            raise ValueError("GenerationSession: repetition_penalty needs a session built with SamplingMode(penalty=True)")
+        if not repetition_penalty > 0:
+            raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
+        self.penalty_t.fill_(float(repetition_penalty))
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
         self.min_new_t.fill_(int(min_new_tokens))
         self.eos_columns.zero_()
@@ -664,7 +706,12 @@ class GenerationSession:
             if self.drafter is not None:
                 self.drafter.append_context(out.taps, n)
             del out
+        if self.mode.penalty:  # the prompts' tokens (right-padded: the columns below each length)
+            self.seen.zero_()
+            self._mark_seen(ids, torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None])
         first = self._select(self.target.lm_head(last)[:, None])[:, 0]
+        if self.mode.penalty:
+            self._mark_seen(first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
         self.root.copy_(first)
         self.out[:, 0] = first
         self.out_len.fill_(1)
