@@ -689,6 +689,24 @@ def test_min_new_tokens_with_sampling_and_batches():
     assert ended.any()  # the rule held back, and then let through, the end-of-sequence token
 
 
+def test_num_return_sequences_samples_each_prompt_that_many_times():
+    """transformers' layout: prompt r's samples on rows r*n ... r*n + n - 1, each starting with its
+    prompt; the samples differ (independent draws); greedy decoding refuses n > 1."""
+    model = target(92)
+    ids, mask = prompts(2, 92)
+    n = 4
+    torch.manual_seed(3)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, do_sample=True,
+                         num_return_sequences=n, drafter=make_drafter("random_dflash", model, 1, 4), tree_budget=5)
+    assert out.shape == (2 * n, ids.shape[1] + 12)
+    assert torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(n, 0))
+    for r in range(2):
+        rows = out[r * n : (r + 1) * n, ids.shape[1]:]
+        assert len({tuple(x) for x in rows.tolist()}) > 1, r
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, num_return_sequences=2)
+
+
 def test_profile_mode_reports_accept_lengths_and_phase_times():
     model = target(82)
     ids, mask = prompts(2, 82)

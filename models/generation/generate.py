@@ -31,7 +31,7 @@ MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recent
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
 _NEUTRAL = {
-    "num_beams": (None, 1), "num_return_sequences": (None, 1),
+    "num_beams": (None, 1),
     "encoder_repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
     "top_h": (None,), "typical_p": (None, 1.0),
@@ -87,8 +87,8 @@ def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
         if getattr(config, name, None) not in neutral:
             raise NotImplementedError(f"generate: {name}={getattr(config, name)!r} is not supported "
                                       f"(supported: max_new_tokens, max_length, eos_token_id, pad_token_id, "
-                                      f"min_new_tokens, repetition_penalty, do_sample, temperature, top_k, top_p, "
-                                      f"min_p)")
+                                      f"min_new_tokens, repetition_penalty, do_sample, num_return_sequences, "
+                                      f"temperature, top_k, top_p, min_p)")
     return config
 
 
@@ -186,7 +186,8 @@ class DDTreeGenerationMixin(GenerationMixin):
         Args:
             generation_config / kwargs: transformers' fields ``max_new_tokens`` (or
                 ``max_length``), ``min_new_tokens``, ``repetition_penalty``, ``eos_token_id`` (int or list),
-                ``pad_token_id``, ``do_sample``,
+                ``pad_token_id``, ``do_sample``, ``num_return_sequences`` (sampling: each prompt's
+                samples on consecutive rows, as transformers orders them),
                 ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``return_dict_in_generate``; anything
                 else that would change the output is refused by name.
             attention_mask: [R, T], one run of ones per row (left or right padding).
@@ -218,7 +219,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                 attending to the cache and itself, with the same result and memory for one chunk
                 (None, the default: 8192, ``modeling.PREFILL_CHUNK``; a 200k-token prompt just works).
 
-        Returns ``sequences`` [R, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
+        Returns ``sequences`` [R x num_return_sequences, T + G] (a LongTensor), or a :class:`DDTreeGenerateOutput`
         with ``return_dict_in_generate=True``.
         """
         from torch_kdtree.models.kimi_k2.cache import resolve_kv_cache_dtype
@@ -241,6 +242,14 @@ class DDTreeGenerationMixin(GenerationMixin):
             raise ValueError("generate: speculative='ddtree' needs a drafter (a DFlashDraftModel or OracleDrafter)")
         if speculative is not None:
             _check_drafter(self, drafter)
+        n = config.num_return_sequences or 1
+        if n > 1:  # transformers' rule and order: independent samples, each prompt's n rows together
+            if not _value(config, "do_sample"):
+                raise ValueError(f"generate: num_return_sequences = {n} needs do_sample=True (greedy decoding "
+                                 f"returns one sequence per prompt; transformers refuses it the same way)")
+            input_ids = input_ids.repeat_interleave(n, 0)
+            if attention_mask is not None:
+                attention_mask = attention_mask.repeat_interleave(n, 0)
         R, T = input_ids.shape
         try:
             chunk = prefill_chunk(getattr(config, "prefill_chunk_size", None))
