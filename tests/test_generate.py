@@ -388,7 +388,8 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
-def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, top_k, top_p, min_p=None) -> torch.Tensor:
+def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, top_k, top_p, min_p=None,
+                        penalty=None) -> torch.Tensor:
     """P(t_1 .. t_steps | prompt) for every sequence over the vocabulary, by enumeration."""
     V = model.config.vocab_size
     probs = torch.ones(1)
@@ -396,6 +397,9 @@ def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, to
     with torch.no_grad():
         for _ in range(steps):
             logits = model(prefixes).logits[:, -1:]
+            if penalty is not None:  # transformers' processor, before the warpers (its order)
+                from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+                logits = RepetitionPenaltyLogitsProcessor(penalty)(prefixes, logits[:, 0].float())[:, None]
             n = prefixes.shape[0]
             p = process_logits(logits, torch.full((n,), float(temperature)), torch.full((n,), top_k),
                                torch.full((n,), float(top_p)),
@@ -405,29 +409,36 @@ def _exact_distribution(model, prompt: torch.Tensor, steps: int, temperature, to
     return probs
 
 
-@pytest.mark.parametrize("speculative,temperature,top_k,top_p,min_p", [
-    (None, 1.0, 0, 1.0, None),  # validates the harness: plain autoregressive sampling
-    ("ddtree", 1.0, 0, 1.0, None),
-    ("ddtree", 0.7, 2, 0.9, None),  # temperature, top-k and top-p on every node
-    ("ddtree", 1.0, 0, 1.0, 0.3),  # min-p on every node
+@pytest.mark.parametrize("speculative,temperature,top_k,top_p,min_p,penalty", [
+    (None, 1.0, 0, 1.0, None, None),  # validates the harness: plain autoregressive sampling
+    ("ddtree", 1.0, 0, 1.0, None, None),
+    ("ddtree", 0.7, 2, 0.9, None, None),  # temperature, top-k and top-p on every node
+    ("ddtree", 1.0, 0, 1.0, 0.3, None),  # min-p on every node
+    ("ddtree", 1.0, 0, 1.0, None, 5.0),  # repetition penalty before the warpers (its path term: test below)
 ])
-def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p, min_p):
+def test_sampled_sequences_follow_the_autoregressive_distribution(speculative, temperature, top_k, top_p, min_p,
+                                                                   penalty):
     """The first three generated tokens over a 3-token vocabulary (27 sequences): n = 1200
     requests in one batch against the enumerated autoregressive distribution, Pearson's
     chi-square; false-alarm rate 1e-3 per case (fixed seeds, so the outcome is deterministic).
     With DDTree (random drafter, B = 6, K = V) most first steps walk below the root, so tokens
     2 and 3 come from one tree."""
     model = target(70, vocab_size=3, bos_token_id=1, eos_token_id=2)
-    prompt = torch.tensor([1, 0, 2, 1, 1])
-    probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p, min_p)
+    # with a penalty, a prompt of one token: the others are penalised only once generated (the
+    # path term's effect on these three tokens is too rare for this test to see: the node-by-node
+    # test_repetition_penalty_covers_each_nodes_own_path checks it)
+    prompt = torch.tensor([1, 0, 2, 1, 1]) if penalty is None else torch.tensor([1, 1, 1, 1, 1])
+    probs = _exact_distribution(model, prompt, 3, temperature, top_k, top_p, min_p, penalty)
     if min_p is not None:  # the case must test a cut: some sequence removed by min-p alone
         assert (probs == 0).sum() > (_exact_distribution(model, prompt, 3, temperature, top_k, top_p) == 0).sum()
+    if penalty is not None:  # ... and a penalty that moves the distribution
+        assert (probs - _exact_distribution(model, prompt, 3, temperature, top_k, top_p)).abs().max() > 0.05
     n = 1200
     drafter = tiny_drafter(model, seed=71, block_size=4) if speculative else None
     torch.manual_seed(72)
     out = model.generate(prompt.repeat(n, 1), max_new_tokens=3, eos_token_id=None, do_sample=True,
-                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, drafter=drafter,
-                         tree_budget=6, page_size=16, return_dict_in_generate=True)
+                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty,
+                         drafter=drafter, tree_budget=6, page_size=16, return_dict_in_generate=True)
     gen = out.sequences[:, prompt.numel():]
     counts = torch.bincount((gen * torch.tensor([9, 3, 1])).sum(1), minlength=27)
     if speculative:

@@ -671,7 +671,7 @@ class GenerationSession:
         chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
         self.reset()
         if sampling is not None:
-            if replace(self.params.set(*sampling), min_new=self.mode.min_new) != self.mode:
+            if replace(self.params.set(*sampling), min_new=self.mode.min_new, penalty=self.mode.penalty) != self.mode:
                 raise ValueError("GenerationSession: sampling parameters need a different captured mode")
         if min_new_tokens and not self.mode.min_new:
             raise ValueError("GenerationSession: min_new_tokens needs a session built with SamplingMode(min_new=True)")
