@@ -1290,6 +1290,31 @@ def test_cuda_sampling_in_graphs_draws_fresh_noise_every_replay():
     assert ((a >= 0) & (a < model.config.vocab_size)).all()
 
 
+@requires_mla_cuda
+def test_cuda_logits_processors_run_inside_compiled_graphs():
+    """repetition_penalty, min_new_tokens and min_p (checked against transformers on the CPU) inside
+    compiled, captured CUDA steps: each changes what it should and nothing fails to compile or
+    capture.  (Greedy DDTree == AR under a penalty is the CPU tests' claim: the bf16 tie checker
+    here decodes without the penalty.)"""
+    model = gpu_target(94)
+    ids, mask = prompts(2, 94)
+    ids, mask = ids.cuda(), mask.cuda()
+    drafter = make_drafter("random_dflash", model, 95, 4).to("cuda", torch.bfloat16)
+    common = dict(attention_mask=mask, max_new_tokens=16, drafter=drafter, tree_budget=8)
+    plain = model.generate(ids, eos_token_id=None, **common)
+    penalised = model.generate(ids, eos_token_id=None, repetition_penalty=1.5, **common)
+    assert not torch.equal(plain, penalised)
+    eos = int(plain[0, ids.shape[1]])  # request 0's first greedy token
+    held = model.generate(ids, eos_token_id=eos, pad_token_id=0, min_new_tokens=6, **common)
+    assert held.shape[1] >= ids.shape[1] + 6 and not (held[:, ids.shape[1] : ids.shape[1] + 6] == eos).any()
+    torch.manual_seed(0)
+    sampled = model.generate(ids.repeat(4, 1), attention_mask=mask.repeat(4, 1), max_new_tokens=16, eos_token_id=None,
+                             do_sample=True, min_p=0.1, drafter=drafter, tree_budget=8, num_return_sequences=2)
+    assert sampled.shape == (16, ids.shape[1] + 16)
+    assert ((sampled >= 0) & (sampled < model.config.vocab_size)).all()
+    assert len({tuple(row) for row in sampled[:, ids.shape[1]:].tolist()}) > 1
+
+
 def test_two_stage_argmax_is_the_first_maximum():
     from torch_kdtree.models.generation.sampling import ARGMAX_CHUNK, argmax_last
 
