@@ -34,8 +34,8 @@ a read-only stream and a device copy, both measured in the same run), floor_rati
 tokens/s inside the decoding steps (2000 tokens / summed step time) and wall-clock, with the oracle
 and with the random DFlash drafter alone (issue 44's "never loses" line: tree_budget="auto" must
 stay within 3 % of autoregressive decoding); the AR step of a drafter session against that of a
-plain session (same run); transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted generation with a one-layer random
-assistant, on the 2p2b configuration.
+plain session (same run); transformers' DeepseekV3ForCausalLM.generate (eager) and its assisted
+generation with a one-layer random assistant, on the 2p2b configuration.
 """
 import functools
 import time

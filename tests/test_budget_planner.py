@@ -218,8 +218,8 @@ def test_noisy_one_step_segments_and_a_growing_context_do_not_tempt_it_into_tree
 def test_a_tree_chosen_on_one_lucky_look_runs_a_step_at_a_time_until_it_is_confirmed():
     """One request, a useless drafter whose first look happened to accept 10 tokens: the tree is
     the choice (10 / 4 > 1 / 1) but rests on one request-step, so it runs single steps (a GPU
-    segment would be 8 of them) until PROBATION request-steps back it, and the next, ordinary step
-    sends the planner back to AR after one step, not eight."""
+    segment would be 8 of them) until PROBATION request-steps back it: two ordinary steps send the
+    planner back to AR, a step at a time, not a segment at once."""
     from torch_kdtree.models.generation.budget import PROBATION
 
     planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
