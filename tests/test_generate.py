@@ -640,7 +640,8 @@ def test_repetition_penalty_as_transformers_applies_it(penalty):
         assert out[r, ids.shape[1]:].tolist() == _penalty_oracle(model, real, 10, penalty), r
 
 
-def test_repetition_penalty_covers_each_nodes_own_path():
+@pytest.mark.parametrize("penalty", [1.5, 0.6])
+def test_repetition_penalty_covers_each_nodes_own_path(penalty):
     """The penalty a tree node gets is the one its prediction would get in autoregressive decoding:
     the prompt, the emitted tokens and the drafts on its own path below the root -- not its
     siblings' or cousins' -- checked node by node against transformers' processor on that
@@ -654,7 +655,7 @@ def test_repetition_penalty_covers_each_nodes_own_path():
     session = GenerationSession(model, make_drafter("random_dflash", model, 1, L + 1), batch_size=R, max_prompt=9,
                                 max_new=32, budgets=(0, B), mode=SamplingMode(penalty=True))
     ids, mask = prompts(R, 90, vocab=12, lo=5, hi=9, left=False)
-    session.prefill(ids, mask.sum(1), max_new=32, eos=[], repetition_penalty=1.5)
+    session.prefill(ids, mask.sum(1), max_new=32, eos=[], repetition_penalty=penalty)
     g = torch.Generator().manual_seed(91)
     lp = torch.randn(R, L, K, generator=g).sort(-1, descending=True).values
     tok = torch.stack([torch.stack([torch.randperm(12, generator=g)[:K] for _ in range(L)]) for _ in range(R)])
@@ -662,7 +663,7 @@ def test_repetition_penalty_covers_each_nodes_own_path():
     logits = torch.randn(R, B + 1, V, generator=g)
     logits[..., :12] += 1.0  # the repeated tokens compete for the argmax
     got = session._select(logits, tree.depths.clamp(min=0).long(), tree)
-    proc = RepetitionPenaltyLogitsProcessor(1.5)
+    proc = RepetitionPenaltyLogitsProcessor(penalty)
     repeats = 0
     for r in range(R):
         context = ids[r][mask[r].bool()].tolist() + [int(session.root[r])]

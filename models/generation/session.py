@@ -422,17 +422,23 @@ class GenerationSession:
           below the root (None: the root alone) predicts token number out_len[r] + depth + 1."""
         if self.mode.penalty:
             V = self.seen.shape[1] - 1
-            hit = self.seen[:, None, :V]  # [R, 1, V]
-            if tree is not None:  # the drafts on each node's path: [R, N, N] visible x their tokens
-                start = self.tp.rank * V if self.tp is not None else 0
-                local = tree.tokens - start
-                col = torch.where((local >= 0) & (local < V), local, V)[:, None, :].expand(tree.visible.shape)
-                path = torch.zeros(*tree.visible.shape[:2], V + 1, dtype=torch.uint8, device=logits.device)
-                path = path.scatter_reduce(-1, col, tree.visible.to(torch.uint8), reduce="amax")
-                hit = hit | path[..., :V].bool()
             scores = logits.float()
             p = self.penalty_t[:, None, None]
-            logits = torch.where(hit, torch.where(scores < 0, scores * p, scores / p), scores)
+            penalised = torch.where(scores < 0, scores * p, scores / p)
+            logits = torch.where(self.seen[:, None, :V], penalised, scores)
+            if tree is not None:  # the drafts on each node's path: [R, N, N] = visible x their tokens
+                # A penalty moves a value one way (down for p > 1, up for p < 1), so the path's
+                # columns take min (max) with their penalised value: a column already penalised
+                # (seen) or on the path twice stays penalised once, and no [R, N, V] mask is built.
+                start = self.tp.rank * V if self.tp is not None else 0
+                local = tree.tokens - start
+                mine = (local >= 0) & (local < V)
+                col = torch.where(mine, local, 0)[:, None, :].expand(tree.visible.shape)  # [R, N, N]
+                on_path = tree.visible & mine[:, None, :]
+                value = penalised.gather(-1, col)
+                down, up = p > 1, p < 1
+                logits = logits.scatter_reduce(-1, col, torch.where(on_path & down, value, float("inf")), reduce="amin")
+                logits = logits.scatter_reduce(-1, col, torch.where(on_path & up, value, float("-inf")), reduce="amax")
         if self.mode.min_new:
             made = self.out_len[:, None] + (0 if depths is None else depths)
             early = made < self.min_new_t[:, None]  # [R, N]
