@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-__all__ = ["TensorParallel", "parallelize", "tp_of", "ParallelConfigError"]
+__all__ = ["TensorParallel", "parallelize", "tp_of", "vocab_shard", "ParallelConfigError"]
 
 
 class ParallelConfigError(ValueError):
@@ -153,6 +153,15 @@ _DFLASH_RULES = (
 # compressed-tensors INT4 expert tensors (one expert's [out, in/8] packed, [out, in/group] scale):
 # gate / up by output rows, down by input columns (whole groups).
 INT4_EXPERT_DIMS = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
+
+
+def vocab_shard(tp: Optional[TensorParallel], vocab_size: int) -> tuple[int, int]:
+    """(first id, size) of the vocabulary a rank's logits cover: all of it without tensor
+    parallelism (or at world 1), else the rank's contiguous ``lm_head`` shard."""
+    if tp is None or tp.world == 1:
+        return 0, vocab_size
+    local = vocab_size // tp.world
+    return tp.rank * local, local
 
 
 def _shard_dim(rules, name: str) -> Optional[int]:

@@ -37,6 +37,7 @@ import math
 import torch
 from torch import nn
 
+from ..parallel import vocab_shard
 from .sampling import SamplingMode, select_tokens
 
 
@@ -182,21 +183,12 @@ class OracleDrafter(nn.Module):
         # (KeyError 'bufN' in its outer-loop fusion, pytorch/pytorch#196570, torch 2.14)
         self.continuation.copy_(torch.stack(tokens, dim=1))
 
-    def _shard(self) -> tuple[int, int]:
-        """(first id, size) of the vocabulary this rank's logits cover: the whole vocabulary, or
-        under tensor parallelism the target's ``lm_head`` shard."""
-        tp = getattr(self._target[0], "tp", None)
-        if tp is None or tp.world == 1:
-            return 0, self.vocab_size
-        local = self.vocab_size // tp.world
-        return tp.rank * local, local
-
     def forward(self, root_tokens: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, L, V] of the oracle's marginals around :attr:`continuation`
         (call :meth:`prepare` with the same roots first); under tensor parallelism this rank's
         vocabulary shard [R, L, V / world] of them."""
         R, L, V = root_tokens.shape[0], self._block_size - 1, self.vocab_size
-        start, local = self._shard()
+        start, local = vocab_shard(getattr(self._target[0], "tp", None), self.vocab_size)
         true = self.continuation
         pos = self.context_lengths.clamp(max=self.correct.shape[1] - 1)
         rows = torch.arange(R, device=root_tokens.device)

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch_kdtree.ops import ddtree_build, draft_topk, draft_topk_merge, draft_topk_partial, tree_accept
 from torch_kdtree.ops import value_checks
 
+from ..parallel import vocab_shard
+
 from .sampling import SamplingMode, SamplingParams, select_tokens
 
 MAX_EOS = 8
@@ -256,13 +258,14 @@ class GenerationSession:
         self.done = torch.ones(batch_size, dtype=torch.bool, device=dev)  # nothing commits before a prefill
         self.max_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.int64, device=dev)
+        # the ids this rank's logits columns cover (plain ints: no rank query inside a traced step)
+        self.vocab_start, self.vocab_local = vocab_shard(self.tp, self.vocab)
         # min_new_tokens (mode.min_new): per request, and which of this rank's logits columns are an EOS
         self.min_new_t = torch.zeros(batch_size, dtype=torch.int64, device=dev)
-        tp_world = self.tp.world if self.tp is not None else 1
-        self.eos_columns = torch.zeros(self.vocab // tp_world, dtype=torch.bool, device=dev)
+        self.eos_columns = torch.zeros(self.vocab_local, dtype=torch.bool, device=dev)
         # repetition_penalty (mode.penalty): which of this rank's columns each request's prompt and
         # output hold (one more column: the sink of masked writes), and the penalty per request
-        self.seen = torch.zeros(batch_size, self.vocab // tp_world + 1, dtype=torch.bool, device=dev)
+        self.seen = torch.zeros(batch_size, self.vocab_local + 1, dtype=torch.bool, device=dev)
         self.penalty_t = torch.ones(batch_size, dtype=torch.float32, device=dev)
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
@@ -421,7 +424,7 @@ class GenerationSession:
           before their request's ``min_new_tokens``-th new token: node (r, i) at ``depths[r, i]``
           below the root (None: the root alone) predicts token number out_len[r] + depth + 1."""
         if self.mode.penalty:
-            V = self.seen.shape[1] - 1
+            V = self.vocab_local
             scores = logits.float()
             p = self.penalty_t[:, None, None]
             penalised = torch.where(scores < 0, scores * p, scores / p)
@@ -430,8 +433,7 @@ class GenerationSession:
                 # A penalty moves a value one way (down for p > 1, up for p < 1), so the path's
                 # columns take min (max) with their penalised value: a column already penalised
                 # (seen) or on the path twice stays penalised once, and no [R, N, V] mask is built.
-                start = self.tp.rank * V if self.tp is not None else 0
-                local = tree.tokens - start
+                local = tree.tokens - self.vocab_start
                 mine = (local >= 0) & (local < V)
                 col = torch.where(mine, local, 0)[:, None, :].expand(tree.visible.shape)  # [R, N, N]
                 on_path = tree.visible & mine[:, None, :]
@@ -448,9 +450,8 @@ class GenerationSession:
     def _mark_seen(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         """``seen[r, t] = True`` for this rank's columns of tokens [R, A] where ``valid``; the
         rest go to the sink column (every write is True, so repeated columns are harmless)."""
-        V = self.seen.shape[1] - 1
-        start = self.tp.rank * V if self.tp is not None else 0
-        local = tokens - start
+        V = self.vocab_local
+        local = tokens - self.vocab_start
         col = torch.where(valid & (local >= 0) & (local < V), local, V)
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(col)
         self.seen.index_put_((rows, col), torch.ones_like(col, dtype=torch.bool))
@@ -689,8 +690,7 @@ class GenerationSession:
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.int64)
         self.min_new_t.fill_(int(min_new_tokens))
         self.eos_columns.zero_()
-        start = self.tp.rank * self.eos_columns.shape[0] if self.tp is not None else 0
-        local = [e - start for e in eos if 0 <= e - start < self.eos_columns.shape[0]]
+        local = [e - self.vocab_start for e in eos if 0 <= e - self.vocab_start < self.vocab_local]
         if local:
             self.eos_columns[torch.tensor(local, dtype=torch.int64, device=self.device)] = True
         self.max_new_t.fill_(max_new)
