@@ -551,20 +551,23 @@ def test_generation_config_fields_and_refusals():
                        max_new_tokens=2)
 
 
-def _min_new_oracle(model, prompt: torch.Tensor, n: int, eos: int, min_new: int) -> list:
-    """Greedy decoding by full forward passes, end-of-sequence masked by transformers' own
-    MinNewTokensLengthLogitsProcessor: the independent reference for min_new_tokens."""
-    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
-
-    proc = MinNewTokensLengthLogitsProcessor(prompt.numel(), min_new, eos)
+def _processed_greedy(model, prompt: torch.Tensor, n: int, processor, eos: int | None = None) -> list:
+    """Greedy decoding by full forward passes through one of transformers' own logits processors
+    (stopping after ``eos``): the independent reference for the processors generate implements."""
     seq = prompt[None]
     with torch.no_grad():
         for _ in range(n):
-            token = proc(seq, model(seq).logits[:, -1].float()).argmax(-1)
+            token = processor(seq, model(seq).logits[:, -1].float()).argmax(-1)
             seq = torch.cat([seq, token[:, None]], 1)
-            if int(token) == eos:
+            if eos is not None and int(token) == eos:
                 break
     return seq[0, prompt.numel():].tolist()
+
+
+def _min_new_oracle(model, prompt: torch.Tensor, n: int, eos: int, min_new: int) -> list:
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    return _processed_greedy(model, prompt, n, MinNewTokensLengthLogitsProcessor(prompt.numel(), min_new, eos), eos)
 
 
 def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
@@ -599,17 +602,9 @@ def test_min_new_tokens_holds_back_end_of_sequence_as_transformers_does():
 
 
 def _penalty_oracle(model, prompt: torch.Tensor, n: int, penalty: float) -> list:
-    """Greedy decoding by full forward passes through transformers' own
-    RepetitionPenaltyLogitsProcessor: the independent reference for repetition_penalty."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    proc = RepetitionPenaltyLogitsProcessor(penalty)
-    seq = prompt[None]
-    with torch.no_grad():
-        for _ in range(n):
-            token = proc(seq, model(seq).logits[:, -1].float()).argmax(-1)
-            seq = torch.cat([seq, token[:, None]], 1)
-    return seq[0, prompt.numel():].tolist()
+    return _processed_greedy(model, prompt, n, RepetitionPenaltyLogitsProcessor(penalty))
 
 
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
