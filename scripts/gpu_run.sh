@@ -18,8 +18,8 @@ BENCH=${2:-}
 SAN=${3:-}
 if [ -n "$TESTS" ]; then
   # eval: a selection may quote a -k expression ("tests/x.py -k 'a or b'")
-  eval "timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfE --timeout 240 -n ${XDIST:-4}" > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -30
+  eval "timeout ${TEST_TIMEOUT:-400} python3 -m pytest $TESTS -q -p no:cacheprovider -rfEs --timeout 240 -n ${XDIST:-4}" > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tests.log" | tail -40
 fi
 for s in $SAN; do
   for tool in memcheck racecheck; do
