@@ -746,6 +746,61 @@ def test_second_call_reuses_the_session():
     assert list(model.__dict__["_ddtree_sessions"].values()) == [session] and torch.equal(first, second)
 
 
+def test_session_sizes_are_few_and_close_to_the_request():
+    """generate's session sizes (_bucket): never below the request, multiples of 16 to 128, four
+    sizes an octave to 8,192 (<= 25 % over), then at most 1,023 tokens over (the KV planner's
+    context stays close to what a long request allocates)."""
+    from torch_kdtree.models.generation.generate import _bucket
+
+    sizes = [_bucket(n) for n in range(1, 70_000)]
+    for n, b in enumerate(sizes, start=1):
+        assert n <= b and b % 16 == 0, (n, b)
+        assert b - n < (16 if n <= 128 else max(16, n // 4) if n <= 8192 else 1024), (n, b)
+    assert len(set(sizes[:8192])) == 8 + 4 * 6  # 16..128 in 16s, then 4 sizes in each octave to 8,192
+    assert _bucket(200_000) - 200_000 < 1024 and _bucket(262_144) == 262_144
+
+
+def test_a_compiled_session_serves_smaller_requests_and_only_those_that_fit():
+    """A captured or compiled session (each size costs a compilation per budget) serves a later
+    request whose prompt and new tokens fit and whose own session would be at least half its
+    cache; a larger or a much smaller request gets a session of its own.  Each output equals the
+    eager session's built for that request alone (fp32)."""
+    model = target(99)
+    drafter = make_drafter("random_dflash", model, 3, 4)
+    twin = make_drafter("random_dflash", model, 3, 4)  # the same weights, its own context caches
+    sessions = model.__dict__.setdefault("_ddtree_sessions", {})
+    sessions.clear()
+
+    def run(R_seed, lo, hi, new, compile_step, drafter=drafter):
+        ids, mask = prompts(2, R_seed, lo=lo, hi=hi)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, compile_step=compile_step,
+                              eos_token_id=None, drafter=drafter, tree_budget=3)
+
+    def eager(*request):  # a fresh eager session for exactly this request (the twin's), then forgotten
+        before = dict(sessions)
+        out = run(*request, False, drafter=twin)
+        sessions.clear()
+        sessions.update(before)
+        return out
+
+    big = (99, 20, 30, 40)
+    assert torch.equal(run(*big, "aot_eager"), eager(*big))
+    (first,) = sessions.values()
+    for smaller in ((100, 12, 20, 30), (101, 3, 9, 24)):  # prompts <= 32 and <= 40 new: the first session
+        assert torch.equal(run(*smaller, "aot_eager"), eager(*smaller))
+        assert list(sessions.values()) == [first], smaller
+    assert first.max_prompt == 32 and first.max_new == 48
+    tiny = (102, 3, 5, 8)  # its own session would be 16 + 16: under half of 32 + 48
+    assert torch.equal(run(*tiny, "aot_eager"), eager(*tiny))
+    assert len(sessions) == 2 and first in sessions.values()
+    longer = (103, 3, 9, 60)  # more new tokens than the first session holds
+    assert torch.equal(run(*longer, "aot_eager"), eager(*longer))
+    assert len(sessions) == 3
+    # an eager request builds its exact sizes (cheap; its arithmetic never depends on an earlier call)
+    run(101, 3, 9, 24, False, drafter=twin)
+    assert len(sessions) == 4 and first in sessions.values()
+
+
 def test_session_is_rebuilt_when_another_session_reallocated_its_drafter():
     """An oracle wrapping a DFlash drafter re-allocates the DFlash context caches; the DFlash
     session built before must not run on the old buffers (its graphs would)."""

@@ -27,6 +27,7 @@ from .sampling import SamplingMode
 from .session import GenerationSession
 
 MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recently used dropped
+BUCKET_MAX_STEP = 1024  # the coarsest rounding of a session's prompt / output size (_bucket)
 # transformers' defaults for fields a GenerationConfig leaves unset (None)
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
@@ -166,8 +167,14 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tu
     return right, lengths
 
 
-def _bucket(n: int, step: int = 16) -> int:
-    return max(step, -(-n // step) * step)
+def _bucket(n: int) -> int:
+    """A session's prompt or output size for n tokens: a multiple of 16 up to 128, then of an
+    eighth of the next power of two (four sizes an octave, at most 25 % above n) up to 8,192, then
+    of 1,024.  Each size is a session of its own (buffers, a compilation per budget, CUDA graphs),
+    so short requests get few sizes; a long one allocates at most 1,023 tokens above its need
+    (the KV planner's context: torch_kdtree.plan)."""
+    step = min(BUCKET_MAX_STEP, max(16, 1 << max(0, (max(n, 1) - 1).bit_length() - 3)))
+    return max(16, -(-n // step) * step)
 
 
 class DDTreeGenerationMixin(GenerationMixin):
@@ -342,6 +349,8 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
     key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled,
            sync_every, model.device, model.dtype)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
+    if key not in sessions and (cuda_graphs or compile_step):
+        key = _larger_session(sessions, key) or key
     session = sessions.pop(key, None)
     if session is not None and not session.drafter_is_current():
         session = None  # another session reallocated the drafter's context caches
@@ -362,6 +371,21 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
             measured[timing_key] = session.measure_step_seconds(budgets)
         session.step_seconds = measured[timing_key]
     return session
+
+
+def _larger_session(sessions: dict, key: tuple):
+    """The key of the smallest cached session that can serve ``key``'s request instead of a new
+    one: the same drafter, batch, budgets, modes and compilation, room for the prompt and the new
+    tokens (``GenerationSession.prefill`` takes any prompt and output up to its sizes), at most
+    twice the cache the request's own session would have (the plan's kernel choices follow the
+    cache's capacity), and a drafter whose context caches are still its own.  Only for captured or
+    compiled sessions, whose building costs a compilation per budget; an eager session is built
+    for its exact sizes (cheap, and its arithmetic then never depends on an earlier call's)."""
+    max_prompt, max_new = key[2], key[3]
+    fits = [k for k, s in sessions.items()
+            if k[:2] == key[:2] and k[4:] == key[4:] and k[2] >= max_prompt and k[3] >= max_new
+            and k[2] + k[3] <= 2 * (max_prompt + max_new) and s.drafter_is_current()]
+    return min(fits, key=lambda k: k[2] + k[3], default=None)
 
 
 __all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]
