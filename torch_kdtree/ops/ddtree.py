@@ -82,6 +82,12 @@ def _check_build(logprobs, token_ids, root_tokens, budget) -> None:
             raise ValueError(f"{op}: token_ids must be non-negative")
 
 
+def _on_cpu(*args) -> bool:
+    """Whether the op dispatches to its CPU kernel (the reference), which checks its inputs itself:
+    every argument a plain CPU tensor.  Otherwise the public function checks them before the call."""
+    return all(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
+
+
 def _build_one(lp: list, ids: list, root: int, budget: int, L: int, K: int):
     """Best-first build of one tree, exactly as docs/ddtree.md: heap order (-score, parent, rank)."""
     score = [0.0]
@@ -148,7 +154,8 @@ def ddtree_build(logprobs: torch.Tensor, token_ids: torch.Tensor, root_tokens: t
     then rank asc) until B exist.  Returns :class:`Tree`; node indices are pop order, so
     parents[i] < i.
     """
-    _check_build(logprobs, token_ids, root_tokens, budget)
+    if not (_on_cpu(logprobs, token_ids, root_tokens) and type(budget) is int):  # else the CPU kernel checks
+        _check_build(logprobs, token_ids, root_tokens, budget)
     return Tree(*torch.ops.kdtree.ddtree_build(logprobs, token_ids, root_tokens, budget))
 
 
@@ -218,7 +225,8 @@ def tree_accept(tokens: torch.Tensor, parents: torch.Tensor, target_tokens: torc
     current node (the lowest-index one if several match); the visited nodes are accepted and
     the target's token at the last one is ``next_tokens``.  Returns :class:`Accepted`.
     """
-    _check_accept(tokens, parents, target_tokens)
+    if not _on_cpu(tokens, parents, target_tokens):  # the CPU kernel, the reference, checks them itself
+        _check_accept(tokens, parents, target_tokens)
     return Accepted(*torch.ops.kdtree.tree_accept(tokens, parents, target_tokens))
 
 
@@ -270,17 +278,17 @@ def kv_commit_reference(kv_cache: torch.Tensor, block_table: torch.Tensor, cache
     """Pure-torch reference (and CPU kernel) of ``kdtree::kv_commit``: gather every accepted row
     of every layer, then scatter them to the slots right after the committed prefix."""
     _check_commit(kv_cache, block_table, cache_lens, indices, lengths)
+    R, N = indices.shape
     page_size = kv_cache.shape[2]
-    for r in range(block_table.shape[0]):
-        n = int(lengths[r])
-        if n == 0:
-            continue
-        base = int(cache_lens[r])
-        src = base + indices[r, :n].long()
-        dst = base + torch.arange(n, device=kv_cache.device)
-        bt = block_table[r].long()
-        rows = kv_cache[:, bt[src // page_size], src % page_size].clone()
-        kv_cache[:, bt[dst // page_size], dst % page_size] = rows
+    j = torch.arange(N, device=kv_cache.device)
+    live = j[None, :] < lengths.long()[:, None]  # [R, N]: request r's accepted rows j < lengths[r]
+    req = torch.arange(R, device=kv_cache.device)[:, None].expand(R, N)[live]
+    base = cache_lens.long()[:, None].expand(R, N)[live]
+    src = base + indices.long()[live]
+    dst = base + j[None, :].expand(R, N)[live]
+    bt = block_table.long()
+    rows = kv_cache[:, bt[req, src // page_size], src % page_size]  # a copy: every source read first
+    kv_cache[:, bt[req, dst // page_size], dst % page_size] = rows
 
 
 def kv_commit(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_lens: torch.Tensor,
@@ -300,7 +308,8 @@ def kv_commit(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_lens: tor
     cache_lens[r] + j (sources are read before any destination is written).  ``cache_lens`` is
     not changed: the caller advances it.
     """
-    _check_commit(kv_cache, block_table, cache_lens, indices, lengths)
+    if not _on_cpu(kv_cache, block_table, cache_lens, indices, lengths):  # the CPU kernel checks them itself
+        _check_commit(kv_cache, block_table, cache_lens, indices, lengths)
     torch.ops.kdtree.kv_commit(kv_cache, block_table, cache_lens, indices, lengths)
 
 
