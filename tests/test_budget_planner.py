@@ -236,3 +236,38 @@ def test_a_tree_chosen_on_one_lucky_look_runs_a_step_at_a_time_until_it_is_confi
         planner.observe(16, {16: (10.0, 1.0)}, 4.0, 1)
         steps += 1
     assert planner.current == 16 and planner.weight[16] >= PROBATION and steps == 5  # ages 0.5 ** (1 / 16) a step
+
+
+def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_dropped():
+    """A tree confirmed over many steps whose estimate one bad segment pushes just below AR's is
+    measured on (single steps at that tree, an exploration) until the answer is clear, instead of
+    being dropped for AR until the next share-bounded look; a tree that falls far below AR is
+    dropped at once, and so is one still on probation (the lucky-look test above)."""
+    def confirmed():
+        planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
+        for _ in range(30):  # (30 x 4 < the first look's 4 / share: no scheduled look in this test)
+            planner.observe(16, {16: (5.0, 1.0)}, 4.0, 1)  # a(16) = 5 > 4: the choice, confirmed
+        assert planner.current == 16 and planner.segment_steps is None
+        return planner
+
+    planner = confirmed()
+    planner.observe(16, {16: (1.0 * 8, 8.0)}, 4.0, 8)  # a bad segment: the estimate ~3.4 < 4
+    assert planner.best == 0 and planner.rate(16) < planner.rate(0)
+    assert (planner.current, planner.segment_steps, planner.exploring) == (16, 1, True)
+    steps = 0
+    while planner.exploring:  # the text is still good: the tree is back
+        planner.observe(16, {16: (6.0, 1.0)}, 4.0, 1)
+        steps += 1
+    assert planner.best == planner.current == 16 and steps <= planner.max_explore_steps
+    # a collapse far below the need is clear at once: AR
+    planner = confirmed()
+    planner.observe(16, {16: (1.0 * 16, 16.0)}, 4.0, 16)
+    assert planner.best == 0 and planner.current == 0 and not planner.exploring
+    # and the share bound holds: the dip's measuring is one exploration of at most max_explore_steps
+    planner = confirmed()
+    planner.observe(16, {16: (1.0 * 8, 8.0)}, 4.0, 8)
+    steps = 0
+    while planner.exploring:
+        planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # the drafter really went useless
+        steps += 1
+    assert planner.current == 0 and 1 <= steps <= planner.max_explore_steps

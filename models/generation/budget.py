@@ -30,7 +30,10 @@ stay written off); otherwise it is one step.  An exploration that finds nothing 
 ``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
 drafter is looked at less often, a change of text is followed at once.  A tree that becomes the
 choice on the strength of few request-steps (one lucky look) runs a step at a time until its a(b)
-rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment.
+rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment.  A confirmed
+tree whose estimate dips below AR's by less than its noise is measured on, a step at a time, until
+the answer is clear (AR measures no tree: dropped on noise, it would stay dropped until the next
+look, which the share bound may put after the end of the generation).
 """
 from __future__ import annotations
 
@@ -127,6 +130,13 @@ class BudgetPlanner:
                     self.backoff = min(self.backoff + 1, self.max_backoff)
         if self.best != before:  # the text changed, or exploring paid off: look as often as allowed
             self.backoff = 0
+            if self.best == 0 and before != 0 and self.weight[before] >= PROBATION and not self.exploring \
+                    and self._unclear():
+                # a confirmed tree's estimate dipped below AR's by less than its noise: go on
+                # measuring that tree (a step at a time, as an exploration) until it is clear; AR
+                # measures no tree, so abandoning it on noise would hold until the next look, which
+                # the share bound makes late (a tree still on probation goes back to AR at once)
+                self._start_exploring(before)
         # an exploration of s seconds is followed by s / share seconds of other steps (share
         # halved per back-off), so exploring takes at most `share` of the time after the first
         if not self.exploring and self.best < self.largest and \
@@ -164,14 +174,16 @@ class BudgetPlanner:
                     return True
         return False
 
-    def _start_exploring(self) -> None:
+    def _start_exploring(self, budget: int | None = None) -> None:
+        """Explore at ``budget`` (default: the largest, which measures every a(b) at once)."""
         self.exploring, self.explore_from = True, self.best
+        self.explore_budget = self.largest if budget is None else budget
         self.explore_steps, self.explore_cost = 0, 0.0
 
     def _plan(self) -> None:
         # one step at the largest budget measures a(b) of every budget; one step per segment, so
         # an exploration stops as soon as its answer is clear
-        self.current = self.largest if self.exploring else self.best
+        self.current = self.explore_budget if self.exploring else self.best
         # a tree chosen on few request-steps (one lucky look) runs a step at a time until its
         # a(b) rests on PROBATION of them: a wrong choice then costs a step, not a segment
         thin = self.best != 0 and self.weight[self.best] < PROBATION
