@@ -349,7 +349,7 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
     key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled,
            sync_every, model.device, model.dtype)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
-    if key not in sessions and (cuda_graphs or compile_step):
+    if key not in sessions and (compile_step or (cuda_graphs and model.device.type == "cuda")):
         key = _larger_session(sessions, key) or key
     session = sessions.pop(key, None)
     if session is not None and not session.drafter_is_current():

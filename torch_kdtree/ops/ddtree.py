@@ -84,8 +84,10 @@ def _check_build(logprobs, token_ids, root_tokens, budget) -> None:
 
 def _on_cpu(*args) -> bool:
     """Whether the op dispatches to its CPU kernel (the reference), which checks its inputs itself:
-    every argument a plain CPU tensor.  Otherwise the public function checks them before the call."""
-    return all(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
+    every argument a plain CPU tensor, outside tracing (a traced call runs the fake kernel, which
+    does not).  Otherwise the public function checks them before the call."""
+    return not torch.compiler.is_compiling() and all(type(a) is torch.Tensor and a.device.type == "cpu"
+                                                     for a in args)
 
 
 def _build_one(lp: list, ids: list, root: int, budget: int, L: int, K: int):
