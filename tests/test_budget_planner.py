@@ -23,6 +23,8 @@ FAST = {0: 1.0, 4: 2.0, 8: 2.2, 16: 2.6, 32: 3.2, 64: 4.2}
 RANDOM = {4: 1.02, 8: 1.03, 16: 1.04, 32: 1.05, 64: 1.05}  # a(B): random drafter weights
 GOOD = {4: 2.9, 8: 3.6, 16: 4.3, 32: 4.7, 64: 5.0}  # a(B) rising to 4-5
 STRONG = {4: 4.2, 8: 5.6, 16: 7.5, 32: 8.5, 64: 9.0}  # ~95 % oracle
+# k2_slice on an H100 (RESULTS.md run 193: AR, B = 16 and 32 measured; 4, 8 and 64 estimated)
+K2_H100 = {0: 1.0, 4: 2.8, 8: 3.1, 16: 3.53, 32: 4.48, 64: 6.2}
 SEEDS = range(12)
 
 
@@ -242,7 +244,11 @@ def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_d
     """A tree confirmed over many steps whose estimate one bad segment pushes just below AR's is
     measured on (single steps at that tree, an exploration) until the answer is clear, instead of
     being dropped for AR until the next share-bounded look; a tree that falls far below AR is
-    dropped at once, and so is one still on probation (the lucky-look test above)."""
+    dropped at once, and so is one still on probation (the lucky-look test above).  The measuring
+    lasts CONFIRM_STEPS steps at most: a drafter right now and then dips often, each step at a
+    large budget costing several AR steps."""
+    from torch_kdtree.models.generation.budget import CONFIRM_STEPS
+
     def confirmed():
         planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
         for _ in range(30):  # (30 x 4 < the first look's 4 / share: no scheduled look in this test)
@@ -256,9 +262,9 @@ def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_d
     assert (planner.current, planner.segment_steps, planner.exploring) == (16, 1, True)
     steps = 0
     while planner.exploring:  # the text is still good: the tree is back
-        planner.observe(16, {16: (6.0, 1.0)}, 4.0, 1)
+        planner.observe(16, {16: (8.0, 1.0)}, 4.0, 1)
         steps += 1
-    assert planner.best == planner.current == 16 and steps <= planner.max_explore_steps
+    assert planner.best == planner.current == 16 and steps <= CONFIRM_STEPS
     # a collapse far below the need is clear at once: AR
     planner = confirmed()
     planner.observe(16, {16: (1.0 * 16, 16.0)}, 4.0, 16)
@@ -270,4 +276,36 @@ def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_d
     while planner.exploring:
         planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # the drafter really went useless
         steps += 1
-    assert planner.current == 0 and 1 <= steps <= planner.max_explore_steps
+    assert planner.current == 0 and 1 <= steps <= CONFIRM_STEPS
+
+
+def _simulate_hits(policy, times, q, *, tokens=2000, R=1, sync_every=8, seed=0):
+    """A drafter right now and then: each request-step accepts the whole block (8 tokens, at
+    every budget) with probability q, else nothing; tokens per AR-step time, as simulate()."""
+    rng = random.Random(seed)
+    made = clock = 0.0
+    while made < tokens:
+        budget = policy.current
+        steps = min(policy.segment_steps or sync_every, sync_every)
+        sums = {b: [0.0, 0] for b in times if 0 < b <= budget}
+        for _ in range(steps):
+            for _ in range(R):
+                a = 8.0 if rng.random() < q else 1.0
+                for b in sums:
+                    sums[b][0] += a
+                    sums[b][1] += 1
+                made += (a if budget else 1) / R
+            clock += times[budget]
+        policy.observe(budget, {b: tuple(v) for b, v in sums.items()}, times[budget] * AR_SECONDS, steps)
+    return made / clock
+
+
+@pytest.mark.parametrize("times", [H200, FAST, K2_H100], ids=["h200", "fast_tree", "k2_h100"])
+@pytest.mark.parametrize("q", [0.01, 0.05])
+@pytest.mark.parametrize("R", [1, 4])
+def test_a_drafter_right_now_and_then_costs_under_3_percent_in_every_seed(times, q, R):
+    """Rare whole-block hits (a(b) = 1.07 / 1.35, below every tree's need) make lucky looks and
+    dips: the probation, the dips' short measuring and the share bound keep every one of 40
+    seeds within 3 % of AR (worst at this head: 0.973)."""
+    worst = min(_simulate_hits(auto(times), times, q, R=R, seed=s) for s in range(40))
+    assert worst >= 0.97, worst

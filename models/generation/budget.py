@@ -32,13 +32,14 @@ drafter is looked at less often, a change of text is followed at once.  A tree t
 choice on the strength of few request-steps (one lucky look) runs a step at a time until its a(b)
 rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment.  A confirmed
 tree whose estimate dips below AR's by less than its noise is measured on, a step at a time, until
-the answer is clear (AR measures no tree: dropped on noise, it would stay dropped until the next
-look, which the share bound may put after the end of the generation).
+the answer is clear or ``CONFIRM_STEPS`` have run (AR measures no tree: dropped on noise, it would
+stay dropped until the next look, which the share bound may put after the end of the generation).
 """
 from __future__ import annotations
 
 AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
+CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
 
 
 class FixedBudget:
@@ -124,7 +125,7 @@ class BudgetPlanner:
             self.explore_steps += steps
             self.explore_cost += steps * self.seconds.get(budget, 0.0)
             unclear = self._unclear()
-            if self.explore_steps >= self.max_explore_steps or not unclear:
+            if self.explore_steps >= self.explore_limit or not unclear:
                 self.exploring, self.explored_at = False, self.clock
                 if self.best == self.explore_from and not unclear:  # it found nothing: look less often
                     self.backoff = min(self.backoff + 1, self.max_backoff)
@@ -178,6 +179,9 @@ class BudgetPlanner:
         """Explore at ``budget`` (default: the largest, which measures every a(b) at once)."""
         self.exploring, self.explore_from = True, self.best
         self.explore_budget = self.largest if budget is None else budget
+        # a dipped tree's measuring (budget given) is short: at a large budget each step costs
+        # several AR steps, and a drafter that is right now and then dips often
+        self.explore_limit = self.max_explore_steps if budget is None else CONFIRM_STEPS
         self.explore_steps, self.explore_cost = 0, 0.0
 
     def _plan(self) -> None:
