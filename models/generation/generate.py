@@ -346,11 +346,12 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
              compile_step, sync_every, measure) -> GenerationSession:
     """A cached session of the model that fits these shapes (its graphs are reused), else a new one."""
     compiled = tuple(sorted(compile_step.items())) if isinstance(compile_step, dict) else compile_step  # hashable
-    key = (id(drafter), R, max_prompt, max_new, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled,
-           sync_every, model.device, model.dtype)
+    kind = (id(drafter), R, tuple(budgets), mode, page_size, kv_cache_dtype, cuda_graphs, compiled, sync_every,
+            model.device, model.dtype)  # everything but the sizes
+    key = (kind, max_prompt, max_new)
     sessions = model.__dict__.setdefault("_ddtree_sessions", {})
     if key not in sessions and (compile_step or (cuda_graphs and model.device.type == "cuda")):
-        key = _larger_session(sessions, key) or key
+        key = _larger_session(sessions, kind, max_prompt, max_new) or key
     session = sessions.pop(key, None)
     if session is not None and not session.drafter_is_current():
         session = None  # another session reallocated the drafter's context caches
@@ -373,19 +374,19 @@ def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size
     return session
 
 
-def _larger_session(sessions: dict, key: tuple):
-    """The key of the smallest cached session that can serve ``key``'s request instead of a new
-    one: the same drafter, batch, budgets, modes and compilation, room for the prompt and the new
-    tokens (``GenerationSession.prefill`` takes any prompt and output up to its sizes), at most
+def _larger_session(sessions: dict, kind: tuple, max_prompt: int, max_new: int):
+    """The key of the smallest cached session that can serve a request of these sizes instead of
+    a new one: the same ``kind`` (drafter, batch, budgets, modes, compilation), room for the
+    prompt and the new tokens (``GenerationSession.prefill`` takes any prompt and output up to its
+    sizes), at most
     twice the cache the request's own session would have (the plan's kernel choices follow the
     cache's capacity), and a drafter whose context caches are still its own.  Only for captured or
     compiled sessions, whose building costs a compilation per budget; an eager session is built
     for its exact sizes (cheap, and its arithmetic then never depends on an earlier call's)."""
-    max_prompt, max_new = key[2], key[3]
-    fits = [k for k, s in sessions.items()
-            if k[:2] == key[:2] and k[4:] == key[4:] and k[2] >= max_prompt and k[3] >= max_new
-            and k[2] + k[3] <= 2 * (max_prompt + max_new) and s.drafter_is_current()]
-    return min(fits, key=lambda k: k[2] + k[3], default=None)
+    fits = [(s.max_prompt + s.max_new, k) for k, s in sessions.items()
+            if k[0] == kind and s.max_prompt >= max_prompt and s.max_new >= max_new
+            and s.max_prompt + s.max_new <= 2 * (max_prompt + max_new) and s.drafter_is_current()]
+    return min(fits, key=lambda f: f[0], default=(0, None))[1]
 
 
 __all__ = ["DDTreeGenerationMixin", "DDTreeGenerateOutput"]
