@@ -186,6 +186,40 @@ def test_training_plan_runs_every_layer_in_torch_and_trains_the_router():
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_a_loss_that_turns_non_finite_names_its_step_though_losses_are_read_back_late():
+    """The training loops read their losses back at the progress lines only (a read waits for the
+    GPU); a loss that turned NaN in between still stops training with the step it happened at."""
+    from training.drafter import train_drafter
+
+    model = build_target(recipes.TOY, 64, seed=0, device="cpu")
+    data = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    class Poisoned:  # the second batch arrives with a NaN weight: steps 2 and 3 have NaN losses
+        calls = 0
+
+        def __next__(self):
+            self.calls += 1
+            if self.calls == 2:
+                with torch.no_grad():
+                    model.lm_head.weight[0, 0] = float("nan")
+            return data[:, :-1], data[:, 1:]
+
+    with pytest.raises(FloatingPointError, match="target: loss is nan at step 2$"):
+        train(model, Poisoned(), steps=3, minutes=5.0, lr=1e-3, warmup_steps=1, weight_decay=0.0,
+              bias_update_speed=0.0, log=lambda line: None, log_every=50)
+
+    target = build_target(recipes.TOY, 64, seed=0, device="cpu")
+    recipe = recipes.TOY.replace(drafter_steps=4, log_every=50, drafter_batch=2, anchors=2)
+    drafter = build_drafter(recipe, 64, 63, seed=0, device=torch.device("cpu"))
+    seqs = torch.randint(0, 63, (3, recipe.prompt_len + 8), generator=torch.Generator().manual_seed(1))
+    taps = torch.randn(3, seqs.shape[1], len(drafter.target_layer_ids) * recipes.TOY.target["hidden_size"])
+    taps[2] = float("nan")  # any step that draws sequence 2 has a NaN loss
+    rows = torch.randint(0, 3, (4, 2), generator=torch.Generator().manual_seed(0))
+    first_bad = next(i + 1 for i, r in enumerate(rows) if (r == 2).any())
+    with pytest.raises(FloatingPointError, match=f"drafter: loss is nan at step {first_bad}$"):
+        train_drafter(drafter, target, taps, seqs, recipe, seed=0, log=lambda line: None)
+
+
 def _looped_reference(experts, x, ids, weights):
     """An independent oracle for the routed experts: each (token, slot) through its expert's SwiGLU
     MLP on its own, in fp64, weighted and summed."""

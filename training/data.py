@@ -16,7 +16,13 @@ def encode_files(raw_tokenizer, texts: list[str], bos: int, eos: int) -> torch.T
 
 
 class WindowSampler:
-    """Random windows of ``seq_len + 1`` tokens (inputs and next-token targets) from a stream."""
+    """Random windows of ``seq_len + 1`` tokens (inputs and next-token targets) from a stream.
+
+    The start offsets are drawn on the CPU ``CHUNK`` batches at a time and moved to the device
+    together: a copy from pageable host memory waits for the device's queue, so one per batch
+    would stall the GPU between training steps."""
+
+    CHUNK = 64
 
     def __init__(self, stream: torch.Tensor, seq_len: int, batch_size: int, seed: int, device):
         if stream.numel() < seq_len + 2:
@@ -25,10 +31,14 @@ class WindowSampler:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self.offsets = torch.arange(seq_len + 1, device=device)
+        self._starts: list[torch.Tensor] = []
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, self.stream.numel() - self.seq_len - 1, (self.batch_size,), generator=self.generator)
-        window = self.stream[starts.to(self.stream.device)[:, None] + self.offsets]
+        if not self._starts:
+            starts = torch.randint(0, self.stream.numel() - self.seq_len - 1, (self.CHUNK, self.batch_size),
+                                   generator=self.generator)
+            self._starts = list(starts.to(self.stream.device).unbind(0))[::-1]
+        window = self.stream[self._starts.pop()[:, None] + self.offsets]
         return window[:, :-1], window[:, 1:]
 
     def __iter__(self):

@@ -149,6 +149,9 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 # training and held-out agreement
 # --------------------------------------------------------------------------------------------
 
+DRAW_CHUNK = 64  # training steps whose rows and anchors are drawn and moved to the device at once
+
+
 def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recipe, *, seed: int, log=print) -> dict:
     """Train ``drafter`` on sequences ``seqs`` [M, S] with the target's taps [M, S, n*H]; anchors
     from the first generated token on (the first root a generation has) to S - 2."""
@@ -162,13 +165,34 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
     lo, hi = recipe.prompt_len, seqs.shape[1] - 2
     history, step, start = [], 0, time.perf_counter()
     warmup = min(0.1, 50 / max(recipe.drafter_steps, 1))
+    # Nothing in a step waits for the GPU: the sequences live on the device, the rows and anchors of
+    # DRAW_CHUNK steps are drawn on the CPU and moved together (a pageable copy waits for the queue),
+    # and the losses are read back at the progress lines.
+    seqs_dev = seqs.to(device)
+    draws: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending: list[torch.Tensor] = []
+
+    def read_losses() -> None:
+        if not pending:
+            return
+        values = torch.stack(pending).float().tolist()
+        for i, value in enumerate(values):
+            if not math.isfinite(value):
+                raise FloatingPointError(f"drafter: loss is {value} at step {step - len(values) + 1 + i}")
+        history.extend(values)
+        pending.clear()
+
     while True:
         progress = max(step / recipe.drafter_steps, (time.perf_counter() - start) / (60 * recipe.drafter_minutes))
         if progress >= 1:
             break
-        rows = torch.randint(0, seqs.shape[0], (recipe.drafter_batch,), generator=g)
-        ids = seqs[rows].to(device)
-        anchors = sample_anchors(len(rows), recipe.anchors, lo, hi, g).to(device)
+        if not draws:
+            B = recipe.drafter_batch
+            rows = torch.randint(0, seqs.shape[0], (DRAW_CHUNK, B), generator=g)
+            anchors = sample_anchors(DRAW_CHUNK * B, recipe.anchors, lo, hi, g).view(DRAW_CHUNK, B, -1)
+            draws = list(zip(rows.to(device).unbind(0), anchors.to(device).unbind(0)))[::-1]
+        rows, anchors = draws.pop()
+        ids = seqs_dev[rows]
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, recipe.drafter_lr, warmup)
         with autocast(device):
@@ -180,16 +204,15 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        value = loss.detach().item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"drafter: loss is {value} at step {step}")
-        history.append(value)
+        pending.append(loss.detach())
         if step % recipe.log_every == 0 or step == 1:
+            read_losses()
             with torch.no_grad():
                 top1 = (logits[:, :, 0].argmax(-1) == labels[:, :, 0]).float().mean()
             recent = history[-recipe.log_every:]
             log(f"  drafter step {step:5d}  loss {sum(recent) / len(recent):.4f}  depth-1 acc {float(top1):.3f}  "
                 f"{time.perf_counter() - start:6.1f} s")
+    read_losses()
     return {"steps": step, "seconds": round(time.perf_counter() - start, 2), "loss_first": history[0] if history else None,
             "loss_last": sum(history[-10:]) / max(1, len(history[-10:])), "losses": history}
 

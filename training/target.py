@@ -99,7 +99,8 @@ class ExpertLoad:
         def count(module, args, out):
             with torch.no_grad():
                 ids, _ = gate.route(gate.logits(out.detach().reshape(-1, out.shape[-1])))
-                self.step[i] += torch.bincount(ids.reshape(-1).long(), minlength=self.step.shape[1])
+                flat = ids.reshape(-1).long()  # index_add_, not bincount: CUDA's bincount reads max() back
+                self.step[i].index_add_(0, flat, torch.ones_like(flat))
         return count
 
     def take_step(self) -> torch.Tensor:
@@ -205,6 +206,21 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
     quantised = expert_weights(model) if qat else []
     plan, shape = None, None
     history = list(prior.get("losses", []))
+    # this call's losses not yet read back: reading one waits for the GPU, so they are read at each
+    # progress line (and around the profiled steps) instead of after every step
+    pending: list[torch.Tensor] = []
+
+    def read_losses() -> None:
+        if not pending:
+            return
+        values = torch.stack(pending).float().tolist()
+        first = step - len(pending) + 1
+        for i, value in enumerate(values):
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{label}: loss is {value} at step {first + i}")
+        history.extend(values)
+        pending.clear()
+
     step, tokens, before = prior.get("steps", 0), prior.get("tokens", 0), prior.get("seconds", 0.0)
     call_tokens, call_steps, start = 0, 0, time.perf_counter()
     prof, prof_start = None, 0.0
@@ -221,6 +237,7 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             if call_minutes is not None and call_tokens and now >= 60 * call_minutes:  # a call makes >= 1 step
                 break
             if profile_step is not None and call_steps == profile_step:
+                read_losses()  # the steps before the profiled ones have finished
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
                 prof.__enter__()
@@ -245,23 +262,23 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             call_steps += 1
             tokens += inputs.numel()
             call_tokens += inputs.numel()
-            value = loss.detach().item()  # waits for the step's kernels
+            pending.append(loss.detach())
             if prof is not None and call_steps == profile_step + PROFILE_STEPS:
+                read_losses()  # waits for the profiled steps' kernels
                 wall = time.perf_counter() - prof_start
                 prof.__exit__(None, None, None)
                 for line in profile_summary(prof, PROFILE_STEPS, wall, device):
                     log(f"  {label} {line}")
                 prof = None
-            if not math.isfinite(value):
-                raise FloatingPointError(f"{label}: loss is {value} at step {step}")
-            history.append(value)
             if step % log_every == 0 or step == 1:
+                read_losses()
                 now = time.perf_counter() - start
                 recent = history[-log_every:]
                 balance = ExpertLoad.balance(window)["worst_min_over_mean"]
                 window.zero_()
                 log(f"  {label} step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
                     f"load min/mean {balance:.2f}  {call_tokens / now:,.0f} tok/s  {before + now:6.1f} s")
+        read_losses()  # and so the time below counts every step's kernels
     finally:
         load.remove()
         if prof is not None:  # the schedule ended inside the profiled steps
