@@ -110,9 +110,11 @@ FULL = Recipe(
                  block_size=8, target_layer_ids=[1, 2, 3, 4], rms_norm_eps=1e-5),
     # 64 + 448 = the target's 512-token training window: run 174's drafter (64 + 192) followed the
     # target to ~300 tokens of context and fell to 1.3-2.3 accepted tokens a step beyond (diagnose)
-    # 6,144 continuations (~2.8 M tokens, ~20 s): ~9,000 drafter steps see each (sequence, anchor) pair ~6 times
-    prompt_len=64, continuation_len=448, continuations=6144, greedy_fraction=0.5, generate_batch=256,
-    drafter_batch=64, anchors=32, drafter_steps=9000, drafter_minutes=2.75, drafter_lr=2e-3, loss_decay_gamma=4.0,
+    # 8,192 continuations (3.7 M tokens, ~25 s; their taps 8.6 GB in bf16).  64 anchors a sequence: run
+    # 195's drafter step (32 anchors, 17.8 ms) ran the H200 at ~22 TFLOP/s by a FLOP count, so more blocks per step
+    # should cost little time; 9,000 steps would see each (sequence, anchor) pair ~10 times
+    prompt_len=64, continuation_len=448, continuations=8192, greedy_fraction=0.5, generate_batch=256,
+    drafter_batch=64, anchors=64, drafter_steps=9000, drafter_minutes=2.75, drafter_lr=2e-3, loss_decay_gamma=4.0,
     eval_tokens=None, eval_batch=32, eval_continuations=64, check_prompts=8, check_new_tokens=256, check_budget=16,
 )
 

@@ -24,8 +24,8 @@ grouped GEMMs a layer, no host sync), held-out scoring 14 s, QAT 16 s (300 steps
 continuations 6 s (2,048 x 448 tokens), drafter 27 s (1,500 steps), checks 5 s: 517 s in all.  That
 target scored 0.83 bits/byte held out, but its drafter, still learning fast when its 1,500 steps
 ended, agreed with the target's next token only 65 % of the time; the FULL recipe now stops
-pre-training at 4,600 steps (~260 s there) and gives the drafter 9,000 steps or 2.75 min on 6,144
-continuations (an estimate of ~500 s in all until it runs).
+pre-training at 4,600 steps (~260 s there) and gives the drafter 9,000 steps or 2.75 min on 8,192
+continuations with 64 anchors each (an estimate of ~500 s in all until it runs).
 """
 from __future__ import annotations
 
