@@ -6,6 +6,9 @@
 #
 #   bash scripts/train_pair_device.sh            # on the device machine; logs and parts under $OUT
 #   bash scripts/unpack_pair.sh <dir with the parts>   # here: models/default_pair/ rebuilt and checked
+#   bash scripts/train_pair_device.sh drafter-only [MINUTES]   # a new drafter (MINUTES, default 7) for
+#       the target of the checkout's models/default_pair (unpacked here from an earlier call on the same
+#       machine image: its corpus must match the pair's manifest), packed the same way
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,9 +22,13 @@ t0=$(date +%s)
 # PAIR_ROOT: where models/default_pair is written (default: the checkout; scripts/device_tests_and_pair.sh
 # trains elsewhere so that the tests it runs beside the training never see a half-written pair)
 ROOT=${PAIR_ROOT:-.}
-timeout ${TRAIN_TIMEOUT:-545} python3 -m training.run --out "$ROOT/models/default_pair" --device cuda \
-  ${TRAIN_ARGS:-} \
-  > "$OUT/train.log" 2>&1
+if [ "${1:-}" = drafter-only ]; then
+  timeout ${TRAIN_TIMEOUT:-545} python3 -m training.run --drafter-only models/default_pair --out "$ROOT/models/default_pair" \
+    --device cuda --drafter-minutes "${2:-7}" --drafter-steps 1000000 ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+else
+  timeout ${TRAIN_TIMEOUT:-545} python3 -m training.run --out "$ROOT/models/default_pair" --device cuda \
+    ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+fi
 rc=$?
 echo "training rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "^\[|held-out|agreement|acceptance|DDTree|wrote" "$OUT/train.log" | tail -40

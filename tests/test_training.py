@@ -90,6 +90,66 @@ def test_greedy_ddtree_equals_autoregressive_on_the_trained_toy_pair(toy_run):
         assert torch.equal(tree, ar), budget
 
 
+def test_a_new_drafter_for_a_trained_target_keeps_the_target_and_its_numbers(toy_run, tmp_path, capsys):
+    """``training.run --drafter-only``: the drafter phases alone against a pair's INT4 target (a
+    longer drafter schedule without re-training the target).  The target, tokenizer, manifest and
+    prompts stay byte for byte, the target's numbers are carried over, the drafter and its numbers
+    are new, the card says so, and greedy DDTree with the new drafter equals AR."""
+    import hashlib
+    import shutil
+
+    from training.run import PairError, main, retrain_drafter
+
+    src, old, _, _ = toy_run
+    pair = tmp_path / "pair"
+    shutil.copytree(src, pair)
+
+    def digest(path):
+        return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(path.rglob("*")) if p.is_file()}
+
+    kept = {name: digest(pair / name) if (pair / name).is_dir() else hashlib.sha256((pair / name).read_bytes()).hexdigest()
+            for name in ("target", "manifest.json", "prompts.json")}
+    drafter_before = digest(pair / "drafter")
+    recipe = recipes.TOY.replace(drafter_steps=2 * recipes.TOY.drafter_steps)
+    with one_thread():
+        metrics = retrain_drafter(recipe, pair, device="cpu", log=lambda line: None)
+    for name, want in kept.items():
+        assert (digest(pair / name) if (pair / name).is_dir()
+                else hashlib.sha256((pair / name).read_bytes()).hexdigest()) == want, name
+    assert digest(pair / "drafter") != drafter_before
+    assert metrics["drafter_training"]["steps"] == recipe.drafter_steps != old["drafter_training"]["steps"]
+    assert metrics["heldout"] == json.loads((src / "metrics.json").read_text())["heldout"]
+    assert metrics["drafter_only"]["target_from"] == str(pair)
+    assert json.loads((pair / "metrics.json").read_text())["drafter_only"]["seed"] == 0
+    assert "trained alone (`python -m training.run --drafter-only`)" in (pair / "README.md").read_text()
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    target, drafter, tokenizer = load_default_pair(path=pair)
+    ids = tokenizer(["import os\n\ndef ", "class Parser:\n    "], return_tensors="pt", padding=True,
+                    padding_side="left")
+    ar = target.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=16)
+    assert torch.equal(target.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=16,
+                                       drafter=drafter, tree_budget=8), ar)
+
+    # another corpus (another Python or package version) than the target's: refused, nothing written
+    manifest = json.loads((pair / "manifest.json").read_text())
+    (pair / "manifest.json").write_text(json.dumps({**manifest, "checksum": "0" * 64}))
+    with pytest.raises(PairError, match="is not the one .* was trained on"):
+        retrain_drafter(recipe, pair, device="cpu", log=lambda line: None)
+    assert digest(pair / "target") == kept["target"] and not (tmp_path / ".pair.partial").exists()
+    with pytest.raises(PairError, match="lacks drafter"):
+        shutil.rmtree(pair / "drafter")
+        retrain_drafter(recipe, pair, device="cpu", log=lambda line: None)
+    for argv, message in ((["--toy", "--drafter-only", str(pair), "--steps", "3"], "--steps do not apply"),
+                          (["--toy", "--drafter-only", str(tmp_path / "none")], "is not a directory"),
+                          (["--toy", "--drafter-only", str(pair)], "lacks drafter"),
+                          (["--toy", "--drafter-minutes", "0"], "must be > 0")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err, argv
+
+
 def test_metrics_hold_the_acceptance_sweep_and_the_quantisation_cost(toy_run):
     out, metrics, _, _ = toy_run
     sweep = json.loads((out / "metrics.json").read_text())["acceptance"]
@@ -337,6 +397,17 @@ def test_training_cli_refuses_a_resume_without_a_checkpoint(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(argv + ["--out", str(tmp_path / "pair")])
         assert message in capsys.readouterr().err, argv
+
+
+def test_learning_rate_warms_up_then_decays_and_never_exceeds_its_peak():
+    from training.recipe import lr_at
+
+    assert lr_at(0.0, 1.0, 0.1) == pytest.approx(0.01) and lr_at(0.05, 1.0, 0.1) == pytest.approx(0.5)
+    assert lr_at(0.1, 1.0, 0.1) == pytest.approx(1.0) and lr_at(1.0, 1.0, 0.1) == pytest.approx(0.1)
+    curve = [lr_at(i / 100, 1.0, 0.1) for i in range(101)]
+    assert all(a >= b for a, b in zip(curve[10:], curve[11:]))  # cosine: non-increasing after the warm-up
+    # a schedule of a million steps with a 50-step warm-up (training.run --drafter-steps 1000000)
+    assert max(lr_at(p, 2e-3, 50 / 1e6) for p in (0.0, 1e-5, 4e-5, 1e-3)) <= 2e-3
 
 
 def test_heldout_split_is_a_fixed_function_of_the_path():

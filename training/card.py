@@ -20,6 +20,7 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
     t, h, d = recipe.target, metrics["heldout"], metrics["drafter"]
     pre, qat, dl, check = metrics["pretrain"], metrics["qat"], metrics["drafter_training"], metrics["ddtree_check"]
     calls = pre.get("calls", 1)  # pre-training calls (training/checkpoint.py); older metrics have one
+    only = metrics.get("drafter_only")  # the drafter retrained alone (training.run --drafter-only)
     n = parameter_counts(recipe)
     draft = drafter_config_fields(recipe, metrics["tokenizer"]["vocab_size"], metrics["tokenizer"]["special_ids"]["mask"])
     sizes = metrics["checkpoint_bytes"]
@@ -111,7 +112,10 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         "attending to the context before p and to itself; cross-entropy at depth k weighted "
         f"exp(-(k - 1) / {recipe.loss_decay_gamma:g}); AdamW, peak lr {recipe.drafter_lr:g}, {recipe.drafter_batch} "
         f"sequences a step; {dl['steps']} steps, {dl['seconds']:.0f} s; loss {dl['loss_first']:.3f} -> "
-        f"{dl['loss_last']:.3f}.",
+        f"{dl['loss_last']:.3f}."
+        + (f"  This drafter was trained alone (`python -m training.run --drafter-only`) on "
+           f"{only['device_name']} against the target above, unchanged; the target's numbers below are those of "
+           f"its own run." if only else ""),
         "",
         "## Held-out numbers",
         "",
@@ -163,7 +167,12 @@ def card_text(recipe, metrics: dict, manifest: dict) -> str:
         f"{metrics['torch']}, Python {metrics['python']} (the corpus is the running interpreter's standard library "
         f"and installed packages: another Python or package version gives another corpus, see manifest.json), seed {metrics['seed']}.  Phase times"
         + (" (the last call's)" if calls > 1 else "") + ": "
-        + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in metrics["phase_seconds"].items()) + ".",
+        + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in metrics["phase_seconds"].items()) + "."
+        + (f"  Then the drafter: `python -m training.run --drafter-only <dir> --device "
+           f"{'cpu --toy' if toy else 'cuda'} --drafter-minutes {recipe.drafter_minutes:g} --drafter-steps "
+           f"{recipe.drafter_steps}` with torch {only['torch']}, seed {only['seed']}; its phases: "
+           + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in only["phase_seconds"].items()) + "."
+           if only else ""),
         "",
     ]
     return "\n".join(lines)

@@ -202,8 +202,8 @@ def describe(recipe: Recipe) -> str:
 
 def lr_at(progress: float, peak: float, warmup: float, floor: float = 0.1) -> float:
     """Linear warm-up over the first ``warmup`` of progress, then cosine from ``peak`` to ``floor * peak``."""
-    if progress < warmup:
-        return peak * max(progress, 1e-3) / warmup
+    if progress < warmup:  # never above the peak: a warm-up shorter than 1e-3 of the schedule starts at it
+        return peak * min(1.0, max(progress, 1e-3) / warmup)
     x = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x)))
 

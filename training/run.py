@@ -5,6 +5,8 @@ drafter, on the Python standard library, written in the formats real checkpoints
     python -m training.run --toy --out build/toy_pair                    # the toy recipe, CPU, < 1 min
     python -m training.run --device cuda --minutes 12.5 --call-minutes 8 --checkpoint /tmp/ck   # then, in
     python -m training.run --device cuda --resume --checkpoint /tmp/ck       # later calls (checkpoint.py)
+    python -m training.run --drafter-only models/default_pair --device cuda --drafter-minutes 7
+                           # a new drafter for that pair's target (the corpus must match its manifest)
 
 Phases (each prints its progress): corpus and held-out split (manifest.json) -> byte-level BPE
 tokenizer -> target pre-training (dense experts, aux-free balancing) -> QAT of the routed experts
@@ -65,10 +67,11 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def _corpus_and_tokenizer(recipe, clock, log):
+def _corpus_and_tokenizer(recipe, clock, log, raw=None):
     """The corpus split, the main job's held-out prompts, the byte-level BPE and the encoded
     training and held-out streams: (raw tokenizer, transformers tokenizer, train stream, held-out
-    stream, manifest.json's text, prompts.json's text)."""
+    stream, manifest.json's text, prompts.json's text).  ``raw``: an existing tokenizer (a trained
+    pair's) to encode with instead of training one."""
     from . import tokenizer as tk
     from .data import encode_files
 
@@ -92,7 +95,8 @@ def _corpus_and_tokenizer(recipe, clock, log):
         f"{manifest['python_version']}, checksum {manifest['checksum'][:16]}")
 
     clock.phase("tokenizer")
-    raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
+    if raw is None:
+        raw = tk.train_tokenizer((f.text for f in train_files), recipe.vocab_size)
     tokenizer = tk.as_transformers(raw, recipe.target["max_position_embeddings"])
     special = tk.special_ids(tokenizer)
     train_stream = encode_files(raw, [f.text for f in train_files], special["bos"], special["eos"])
@@ -101,6 +105,54 @@ def _corpus_and_tokenizer(recipe, clock, log):
         f"({manifest['train_bytes'] / train_stream.numel():.2f} bytes/token), {heldout_stream.numel():,} held out")
     return (raw, tokenizer, train_stream, heldout_stream, json.dumps(manifest, indent=2) + "\n",
             json.dumps(prompts_doc, indent=2) + "\n")
+
+
+def _drafter_phases(recipe, target, tokenizer, special, train_stream, heldout_stream, work: Path, clock, log, seed: int,
+                    device, dtype) -> dict:
+    """The drafter's phases against the INT4 ``target``: continuations of training prompts and their
+    taps, training, the DFlash export to ``work / "drafter"`` (reloaded), held-out agreement, the
+    greedy DDTree check and the acceptance sweep."""
+    from torch_kdtree.models.dflash import DFlashDraftModel
+
+    from .data import prompt_windows
+    from .drafter import agreement, build_drafter, continuations, target_taps, train_drafter
+    from .evaluate import acceptance_sweep, ddtree_check
+    from .export import write_drafter
+
+    clock.phase("continuations for the drafter")
+    prompts = prompt_windows(train_stream, recipe.prompt_len, recipe.continuations, seed)
+    seqs = continuations(target, prompts, recipe.continuation_len, batch=recipe.generate_batch,
+                         greedy_fraction=recipe.greedy_fraction, seed=seed, log=log)
+    drafter = build_drafter(recipe, len(tokenizer), special["mask"], seed, device)
+    taps = target_taps(target, seqs, drafter.target_layer_ids, recipe.eval_batch)
+
+    clock.phase("drafter training")
+    drafter_log = train_drafter(drafter, target, taps, seqs, recipe, seed=seed, log=log)
+    write_drafter(drafter, work / "drafter")
+    del drafter, taps
+
+    clock.phase("held-out drafter agreement and DDTree check")
+    loaded = DFlashDraftModel.from_pretrained(work / "drafter", dtype=dtype, device=device)
+    heldout_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.eval_continuations, seed + 1)
+    heldout_seqs = continuations(target, heldout_prompts, recipe.continuation_len, batch=recipe.generate_batch,
+                                 greedy_fraction=1.0, seed=seed + 1, log=log)
+    heldout_taps = target_taps(target, heldout_seqs, loaded.target_layer_ids, recipe.eval_batch)
+    agree = agreement(loaded, target, heldout_taps, heldout_seqs, recipe.prompt_len, recipe.eval_batch)
+    log(f"  depth-1 agreement {agree['depth1_agreement']:.3f}, teacher-forced chain acceptance "
+        f"{agree['chain_acceptance_teacher_forced']:.2f}")
+    check_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.check_prompts, seed + 2)
+    check = ddtree_check(target, loaded, check_prompts, recipe.check_new_tokens, recipe.check_budget)
+    log(f"  greedy DDTree (B = {check['budget']}) == AR: {check['equal']}, mean acceptance "
+        f"{check['mean_accept_length']:.2f}, wall-clock speed-up {check['speedup_wall']:.2f}x")
+    sweep = acceptance_sweep(target, loaded, check_prompts, recipe.check_new_tokens, recipe.sweep_budgets,
+                             sampled_budget=recipe.check_budget, seed=seed + 3)
+    log("  mean acceptance, greedy: " + ", ".join(f"B = {b}: {a:.2f}" for b, a in
+                                                   sweep["greedy_mean_accept_length"].items())
+        + f" (distinct 4-grams {sweep['greedy_distinct_4gram_ratio']:.3f}); sampled at T = 1, B = "
+        f"{sweep['sampled_budget']}: {sweep['sampled_mean_accept_length']:.2f} (distinct 4-grams "
+        f"{sweep['sampled_distinct_4gram_ratio']:.3f})")
+
+    return {"drafter_log": drafter_log, "agree": agree, "check": check, "sweep": sweep}
 
 
 def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: int = 0, experts: str = "auto",
@@ -113,15 +165,13 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     call returns ``{"finished": False, ...}`` without writing ``out``.  ``resume`` starts from
     ``checkpoint`` instead of the corpus (its corpus split, tokenizer, weights and optimizer)."""
     from . import checkpoint as ckpt
-    from torch_kdtree.models.dflash import DFlashDraftModel
     from torch_kdtree.models.kimi_k2 import KimiK2ForCausalLM
 
     from . import tokenizer as tk
     from .card import write_card
-    from .data import WindowSampler, prompt_windows
-    from .drafter import agreement, build_drafter, continuations, target_taps, train_drafter
-    from .evaluate import acceptance_sweep, bf16_copy, bits_per_byte, ddtree_check
-    from .export import directory_bytes, write_drafter, write_target
+    from .data import WindowSampler
+    from .evaluate import bf16_copy, bits_per_byte
+    from .export import directory_bytes, write_target
     from .target import build_target, train
 
     device = torch.device(device)
@@ -200,38 +250,9 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
         f"the same weights in bf16, {100 * ratio_pre:+.2f} % against bf16 before QAT), expert load min/mean "
         f"{held['int4']['load']['worst_min_over_mean']:.3f}")
 
-    clock.phase("continuations for the drafter")
-    prompts = prompt_windows(train_stream, recipe.prompt_len, recipe.continuations, seed)
-    seqs = continuations(target, prompts, recipe.continuation_len, batch=recipe.generate_batch,
-                         greedy_fraction=recipe.greedy_fraction, seed=seed, log=log)
-    drafter = build_drafter(recipe, len(tokenizer), special["mask"], seed, device)
-    taps = target_taps(target, seqs, drafter.target_layer_ids, recipe.eval_batch)
-
-    clock.phase("drafter training")
-    drafter_log = train_drafter(drafter, target, taps, seqs, recipe, seed=seed, log=log)
-    write_drafter(drafter, work / "drafter")
-    del drafter, taps
-
-    clock.phase("held-out drafter agreement and DDTree check")
-    loaded = DFlashDraftModel.from_pretrained(work / "drafter", dtype=dtype, device=device)
-    heldout_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.eval_continuations, seed + 1)
-    heldout_seqs = continuations(target, heldout_prompts, recipe.continuation_len, batch=recipe.generate_batch,
-                                 greedy_fraction=1.0, seed=seed + 1, log=log)
-    heldout_taps = target_taps(target, heldout_seqs, loaded.target_layer_ids, recipe.eval_batch)
-    agree = agreement(loaded, target, heldout_taps, heldout_seqs, recipe.prompt_len, recipe.eval_batch)
-    log(f"  depth-1 agreement {agree['depth1_agreement']:.3f}, teacher-forced chain acceptance "
-        f"{agree['chain_acceptance_teacher_forced']:.2f}")
-    check_prompts = prompt_windows(heldout_stream, recipe.prompt_len, recipe.check_prompts, seed + 2)
-    check = ddtree_check(target, loaded, check_prompts, recipe.check_new_tokens, recipe.check_budget)
-    log(f"  greedy DDTree (B = {check['budget']}) == AR: {check['equal']}, mean acceptance "
-        f"{check['mean_accept_length']:.2f}, wall-clock speed-up {check['speedup_wall']:.2f}x")
-    sweep = acceptance_sweep(target, loaded, check_prompts, recipe.check_new_tokens, recipe.sweep_budgets,
-                             sampled_budget=recipe.check_budget, seed=seed + 3)
-    log("  mean acceptance, greedy: " + ", ".join(f"B = {b}: {a:.2f}" for b, a in
-                                                   sweep["greedy_mean_accept_length"].items())
-        + f" (distinct 4-grams {sweep['greedy_distinct_4gram_ratio']:.3f}); sampled at T = 1, B = "
-        f"{sweep['sampled_budget']}: {sweep['sampled_mean_accept_length']:.2f} (distinct 4-grams "
-        f"{sweep['sampled_distinct_4gram_ratio']:.3f})")
+    drafted = _drafter_phases(recipe, target, tokenizer, special, train_stream, heldout_stream, work, clock, log,
+                              seed, device, dtype)
+    drafter_log, agree, check, sweep = (drafted[k] for k in ("drafter_log", "agree", "check", "sweep"))
 
     phases = clock.done()
     metrics = {
@@ -250,6 +271,75 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     write_card(work / "README.md", recipe, metrics, manifest)
     _publish(work, out)
     log(f"[{phases['total']:7.1f} s] wrote {out}/ ({', '.join(OUTPUTS)})")
+    return metrics
+
+
+class PairError(ValueError):
+    """A directory that :func:`retrain_drafter` cannot build on (not a pair, another recipe, another corpus)."""
+
+
+def retrain_drafter(recipe, pair: str | Path, out: str | Path | None = None, device: str | torch.device = "cpu", *,
+                    seed: int = 0, log=_print) -> dict:
+    """Train a new drafter for the INT4 target of ``pair`` (a directory this pipeline wrote) and
+    write the pair to ``out`` (default: ``pair`` itself): the target, its tokenizer, manifest and
+    prompts unchanged, the drafter, metrics and model card new.  The corpus is rebuilt on this
+    machine and must be the one the target was trained on (the manifest's checksum: the same Python
+    and package versions), so that the drafter's prompts come from the target's training split and
+    its held-out numbers from the held-out one.  The target's own numbers are carried over from the
+    pair's metrics.json; ``metrics["drafter_only"]`` says where they came from."""
+    from tokenizers import Tokenizer
+    from torch_kdtree.models.kimi_k2 import KimiK2ForCausalLM
+
+    from . import tokenizer as tk
+    from .card import write_card
+    from .export import directory_bytes
+
+    pair = Path(pair)
+    missing = [name for name in OUTPUTS if not (pair / name).exists()]
+    if missing:
+        raise PairError(f"retrain_drafter: {pair} lacks {', '.join(missing)}: not a pair written by "
+                                f"python -m training.run")
+    old = json.loads((pair / "metrics.json").read_text(encoding="utf-8"))
+    if old.get("recipe") != recipe.name:
+        raise PairError(f"retrain_drafter: {pair} was trained with the {old.get('recipe')!r} recipe, not {recipe.name!r}")
+    saved_manifest = json.loads((pair / "manifest.json").read_text(encoding="utf-8"))
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(out) if out is not None else pair
+    work = out.parent / f".{out.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    clock = _Clock(log)
+    log(f"a new drafter for the target of {pair}")
+    raw = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
+    _, tokenizer, train_stream, heldout_stream, manifest_text, _ = _corpus_and_tokenizer(recipe, clock, log, raw=raw)
+    manifest = json.loads(manifest_text)
+    if manifest["checksum"] != saved_manifest["checksum"]:
+        shutil.rmtree(work, ignore_errors=True)
+        raise PairError(
+            f"retrain_drafter: this machine's corpus (checksum {manifest['checksum'][:16]}, Python "
+            f"{manifest['python_version']}) is not the one {pair} was trained on (checksum "
+            f"{saved_manifest['checksum'][:16]}, Python {saved_manifest['python_version']}): another Python or "
+            f"package version; the drafter's prompts would not be the target's training split")
+    special = tk.special_ids(tokenizer)
+    target = KimiK2ForCausalLM.from_pretrained(pair / "target", dtype=dtype, device=device, progress=False)
+    target.requires_grad_(False)
+    drafted = _drafter_phases(recipe, target, tokenizer, special, train_stream, heldout_stream, work, clock, log,
+                              seed, device, dtype)
+    for name in ("target", "manifest.json", "prompts.json"):
+        (shutil.copytree if (pair / name).is_dir() else shutil.copy2)(pair / name, work / name)
+    phases = clock.done()
+    metrics = {**old,
+               "drafter_training": _summary(drafted["drafter_log"]), "drafter": drafted["agree"],
+               "ddtree_check": drafted["check"], "acceptance": drafted["sweep"],
+               "checkpoint_bytes": {**old.get("checkpoint_bytes", {}), "drafter": directory_bytes(work / "drafter")},
+               "drafter_only": {"target_from": str(pair), "device": str(device), "device_name": _device_name(device),
+                                "dtype": str(dtype), "torch": torch.__version__, "seed": seed,
+                                "phase_seconds": phases}}
+    (work / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    write_card(work / "README.md", recipe, metrics, manifest)
+    _publish(work, out)
+    log(f"[{phases['total']:7.1f} s] wrote {out}/ (a new drafter; the target of {pair})")
     return metrics
 
 
@@ -317,6 +407,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-step", type=int, default=None,
                     help="profile pre-training steps after this many of this call (3 steps; the summary -- device "
                          "kernel time against wall time, the top kernels -- goes to the log)")
+    ap.add_argument("--drafter-only", metavar="PAIR", default=None,
+                    help="train a new drafter for the target of PAIR (a directory this pipeline wrote) and write "
+                         "the pair to --out (default: PAIR); the corpus must match PAIR's manifest")
+    ap.add_argument("--drafter-minutes", type=float, default=None, help="override the recipe's drafter time cap")
+    ap.add_argument("--drafter-steps", type=int, default=None, help="override the recipe's drafter steps")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: 1 with --toy, whose matrices are too small for more; else torch's)")
     args = ap.parse_args(argv)
@@ -332,6 +427,17 @@ def main(argv=None) -> dict:
         ap.error("--call-minutes must be > 0")
     if (args.call_minutes is not None or args.resume) and args.checkpoint is None:
         ap.error("--call-minutes and --resume need --checkpoint DIR")
+    if args.drafter_minutes is not None and args.drafter_minutes <= 0:
+        ap.error("--drafter-minutes must be > 0")
+    if args.drafter_steps is not None and args.drafter_steps < 1:
+        ap.error("--drafter-steps must be >= 1")
+    if args.drafter_only is not None:
+        clash = [flag for flag, given in (("--resume", args.resume), ("--checkpoint", args.checkpoint),
+                                          ("--call-minutes", args.call_minutes), ("--steps", args.steps),
+                                          ("--minutes", args.minutes), ("--profile-step", args.profile_step),
+                                          ("--smoke", args.smoke)) if given not in (None, False)]
+        if clash:
+            ap.error(f"--drafter-only trains the drafter alone: {', '.join(clash)} do not apply")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -364,6 +470,17 @@ def main(argv=None) -> dict:
             if given is not None and given != saved[name]:
                 ap.error(f"--resume: --{name} {given} differs from the checkpoint's schedule ({saved[name]})")
         recipe = recipe.replace(steps=saved["steps"], minutes=saved["minutes"])
+    if args.drafter_minutes is not None:
+        recipe = recipe.replace(drafter_minutes=args.drafter_minutes)
+    if args.drafter_steps is not None:
+        recipe = recipe.replace(drafter_steps=args.drafter_steps)
+    if args.drafter_only is not None:
+        if not Path(args.drafter_only).is_dir():
+            ap.error(f"--drafter-only: {args.drafter_only} is not a directory")
+        try:
+            return retrain_drafter(recipe, args.drafter_only, args.out, device, seed=args.seed)
+        except PairError as e:
+            ap.error(str(e))
     out = args.out or ("build/toy_pair" if args.toy else "build/smoke_pair" if args.smoke else "models/default_pair")
     return run(recipe, out, device, seed=args.seed, experts=args.experts, checkpoint=args.checkpoint,
                resume=args.resume, call_minutes=args.call_minutes, profile_step=args.profile_step)
