@@ -24,7 +24,7 @@ t0=$(date +%s)
 ROOT=${PAIR_ROOT:-.}
 if [ "${1:-}" = drafter-only ]; then
   timeout ${TRAIN_TIMEOUT:-545} python3 -m training.run --drafter-only models/default_pair --out "$ROOT/models/default_pair" \
-    --device cuda --drafter-minutes "${2:-7}" --drafter-steps 1000000 ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+    --device cuda --drafter-minutes "${2:-7}" --drafter-steps 40000 ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
 else
   timeout ${TRAIN_TIMEOUT:-545} python3 -m training.run --out "$ROOT/models/default_pair" --device cuda \
     ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1

@@ -406,7 +406,7 @@ def test_learning_rate_warms_up_then_decays_and_never_exceeds_its_peak():
     assert lr_at(0.1, 1.0, 0.1) == pytest.approx(1.0) and lr_at(1.0, 1.0, 0.1) == pytest.approx(0.1)
     curve = [lr_at(i / 100, 1.0, 0.1) for i in range(101)]
     assert all(a >= b for a, b in zip(curve[10:], curve[11:]))  # cosine: non-increasing after the warm-up
-    # a schedule of a million steps with a 50-step warm-up (training.run --drafter-steps 1000000)
+    # a schedule of a million steps with a 50-step warm-up (a time cap with a step count far beyond it)
     assert max(lr_at(p, 2e-3, 50 / 1e6) for p in (0.0, 1e-5, 4e-5, 1e-3)) <= 2e-3
 
 
