@@ -434,8 +434,8 @@ def main(argv=None) -> dict:
     if args.drafter_only is not None:
         clash = [flag for flag, given in (("--resume", args.resume), ("--checkpoint", args.checkpoint),
                                           ("--call-minutes", args.call_minutes), ("--steps", args.steps),
-                                          ("--minutes", args.minutes), ("--profile-step", args.profile_step),
-                                          ("--smoke", args.smoke)) if given not in (None, False)]
+                                          ("--minutes", args.minutes), ("--profile-step", args.profile_step))
+                 if given not in (None, False)]
         if clash:
             ap.error(f"--drafter-only trains the drafter alone: {', '.join(clash)} do not apply")
     device = args.device
