@@ -17,7 +17,6 @@ draft call).
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -27,7 +26,7 @@ from torch_kdtree.models.dflash import DFlashConfig, DFlashDraftModel
 from torch_kdtree.models.dflash.modeling import _apply_rope
 
 from .recipe import drafter_config_fields, lr_at
-from .target import autocast
+from .target import autocast, read_back
 
 
 def build_drafter(recipe, vocab_size: int, mask_token_id: int, seed: int, device) -> DFlashDraftModel:
@@ -171,17 +170,6 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
     seqs_dev = seqs.to(device)
     draws: list[tuple[torch.Tensor, torch.Tensor]] = []
     pending: list[torch.Tensor] = []
-
-    def read_losses() -> None:
-        if not pending:
-            return
-        values = torch.stack(pending).float().tolist()
-        for i, value in enumerate(values):
-            if not math.isfinite(value):
-                raise FloatingPointError(f"drafter: loss is {value} at step {step - len(values) + 1 + i}")
-        history.extend(values)
-        pending.clear()
-
     while True:
         progress = max(step / recipe.drafter_steps, (time.perf_counter() - start) / (60 * recipe.drafter_minutes))
         if progress >= 1:
@@ -206,13 +194,13 @@ def train_drafter(drafter, target, taps: torch.Tensor, seqs: torch.Tensor, recip
         step += 1
         pending.append(loss.detach())
         if step % recipe.log_every == 0 or step == 1:
-            read_losses()
+            read_back(pending, history, step, "drafter")
             with torch.no_grad():
                 top1 = (logits[:, :, 0].argmax(-1) == labels[:, :, 0]).float().mean()
             recent = history[-recipe.log_every:]
             log(f"  drafter step {step:5d}  loss {sum(recent) / len(recent):.4f}  depth-1 acc {float(top1):.3f}  "
                 f"{time.perf_counter() - start:6.1f} s")
-    read_losses()
+    read_back(pending, history, step, "drafter")
     return {"steps": step, "seconds": round(time.perf_counter() - start, 2), "loss_first": history[0] if history else None,
             "loss_last": sum(history[-10:]) / max(1, len(history[-10:])), "losses": history}
 

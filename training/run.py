@@ -177,9 +177,7 @@ def run(recipe, out: str | Path, device: str | torch.device = "cpu", *, seed: in
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(out)
-    work = out.parent / f".{out.name}.partial"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = _fresh_work(out)
     clock = _Clock(log)
     log(describe(recipe))
 
@@ -306,9 +304,7 @@ def retrain_drafter(recipe, pair: str | Path, out: str | Path | None = None, dev
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(out) if out is not None else pair
-    work = out.parent / f".{out.name}.partial"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = _fresh_work(out)
     clock = _Clock(log)
     log(f"a new drafter for the target of {pair}")
     raw = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
@@ -365,6 +361,14 @@ def _device_name(device: torch.device) -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def _fresh_work(out: Path) -> Path:
+    """An empty directory beside ``out`` where a run writes its outputs until :func:`_publish`."""
+    work = out.parent / f".{out.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
 
 
 def _publish(work: Path, out: Path) -> None:

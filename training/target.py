@@ -181,6 +181,20 @@ def profile_summary(prof, steps: int, seconds: float, device, top: int = 15) -> 
     return lines
 
 
+def read_back(pending: list[torch.Tensor], history: list[float], step: int, label: str) -> None:
+    """Move the losses of the last ``len(pending)`` steps (the last one ``step``) from ``pending``
+    (device tensors: reading them waits for the GPU, so the training loops do it at their progress
+    lines only) to ``history``; a non-finite one raises ``FloatingPointError`` naming its step."""
+    if not pending:
+        return
+    values = torch.stack(pending).float().tolist()
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{label}: loss is {value} at step {step - len(values) + 1 + i}")
+    history.extend(values)
+    pending.clear()
+
+
 def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps: int, weight_decay: float,
           bias_update_speed: float, experts: str = "auto", qat: bool = False, log=print, log_every: int = 50,
           label: str = "target", call_minutes: float | None = None, resume: dict | None = None,
@@ -209,18 +223,6 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
     # this call's losses not yet read back: reading one waits for the GPU, so they are read at each
     # progress line (and around the profiled steps) instead of after every step
     pending: list[torch.Tensor] = []
-
-    def read_losses() -> None:
-        if not pending:
-            return
-        values = torch.stack(pending).float().tolist()
-        first = step - len(pending) + 1
-        for i, value in enumerate(values):
-            if not math.isfinite(value):
-                raise FloatingPointError(f"{label}: loss is {value} at step {first + i}")
-        history.extend(values)
-        pending.clear()
-
     step, tokens, before = prior.get("steps", 0), prior.get("tokens", 0), prior.get("seconds", 0.0)
     call_tokens, call_steps, start = 0, 0, time.perf_counter()
     prof, prof_start = None, 0.0
@@ -237,7 +239,7 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             if call_minutes is not None and call_tokens and now >= 60 * call_minutes:  # a call makes >= 1 step
                 break
             if profile_step is not None and call_steps == profile_step:
-                read_losses()  # the steps before the profiled ones have finished
+                read_back(pending, history, step, label)  # the steps before the profiled ones have finished
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
                 prof.__enter__()
@@ -264,21 +266,21 @@ def train(model, batches, *, steps: int, minutes: float, lr: float, warmup_steps
             call_tokens += inputs.numel()
             pending.append(loss.detach())
             if prof is not None and call_steps == profile_step + PROFILE_STEPS:
-                read_losses()  # waits for the profiled steps' kernels
+                read_back(pending, history, step, label)  # waits for the profiled steps' kernels
                 wall = time.perf_counter() - prof_start
                 prof.__exit__(None, None, None)
                 for line in profile_summary(prof, PROFILE_STEPS, wall, device):
                     log(f"  {label} {line}")
                 prof = None
             if step % log_every == 0 or step == 1:
-                read_losses()
+                read_back(pending, history, step, label)
                 now = time.perf_counter() - start
                 recent = history[-log_every:]
                 balance = ExpertLoad.balance(window)["worst_min_over_mean"]
                 window.zero_()
                 log(f"  {label} step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
                     f"load min/mean {balance:.2f}  {call_tokens / now:,.0f} tok/s  {before + now:6.1f} s")
-        read_losses()  # and so the time below counts every step's kernels
+        read_back(pending, history, step, label)  # and so the time below counts every step's kernels
     finally:
         load.remove()
         if prof is not None:  # the schedule ended inside the profiled steps
