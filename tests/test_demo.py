@@ -55,3 +55,27 @@ def test_block_size_belongs_to_the_trained_drafter(toy_pair, capsys):
     with pytest.raises(SystemExit) as e:
         demo.main(["--pair", str(toy_pair), "--block-size", "4"])
     assert e.value.code == 2 and "a trained drafter has its own block size" in capsys.readouterr().err
+
+
+def test_bf16_outputs_that_differ_at_a_tie_pass_and_others_fail(capsys):
+    """On a GPU the main job compares bf16 decodings: a divergence at an expert-choice tie (the sacred
+    tests' rule) is reported and explained, one that no tie explains exits non-zero; fp32 asks for
+    exact equality.  The tie: test_generate's construction (a near-tied expert choice whose two sides
+    give different tokens; the target is fp32, the rule's arithmetic the same)."""
+    import torch
+    from test_generate import _expert_tie
+
+    model, prefix, want, other, flipped, _ = _expert_tie(31, 1e-3)
+    ids, mask = prefix[None], torch.ones(1, len(prefix), dtype=torch.long)
+    sequence = lambda token: torch.cat([prefix, torch.tensor([token])])[None]
+    demo.report_equality(model, ids, mask, sequence(want), sequence(want), exact=True)
+    assert "DDTree output == autoregressive output: True" in capsys.readouterr().out
+    demo.report_equality(model, ids, mask, sequence(other), sequence(want), exact=False)
+    out = capsys.readouterr().out
+    assert "output: False" in out and "expert-choice tie" in out and "up to bf16 ties: True (1 tie(s)" in out
+    with pytest.raises(SystemExit, match="outputs differ$"):
+        demo.report_equality(model, ids, mask, sequence(other), sequence(want), exact=True)
+    base = model(prefix[None]).logits[0, -1].float()
+    neither = int(torch.minimum(base, flipped).argmin())
+    with pytest.raises(SystemExit, match="where no bf16 tie explains it: request 0 diverges at token 0"):
+        demo.report_equality(model, ids, mask, sequence(neither), sequence(want), exact=False)

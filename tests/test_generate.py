@@ -8,7 +8,6 @@ Sampling: the distribution of generated sequences equals the exact autoregressiv
 (enumerated), by a chi-square test at a stated false-alarm rate with fixed seeds.
 """
 import functools
-import math
 
 import pytest
 import torch
@@ -20,6 +19,8 @@ from conftest import one_thread, requires_cuda_kernel
 from torch_kdtree.models.dflash import DFlashDraftModel
 from torch_kdtree.models.generation import BudgetPlanner, OracleDrafter, process_logits
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
+from torch_kdtree.models.generation.ties import (SCORE_TIE, bf16_ulp, check_equal_up_to_bf16_ties, decoded_logits,
+                                                 last_position, routing_margins)
 from torch_kdtree.ops import ddtree_build, tree_accept
 
 requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
@@ -831,64 +832,6 @@ def gpu_target(seed: int):
     return tiny_target(seed, **GPU_HEADS).to("cuda", torch.bfloat16)
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor):
-    diff = (a != b).nonzero()
-    return None if diff.numel() == 0 else tuple(diff[0].tolist())
-
-
-def _prefill_routed(model, prefix: torch.Tensor, hook) -> torch.Tensor:
-    """The fp32 logits of a prefill of ``prefix`` [L] whose routers' choices go through
-    ``hook(layer, router, logits) -> logits`` first (layer: the MoE layer's index in call order;
-    logits: that router's fp32 logits [L, E]).
-
-    Each router gets a (no-op) forward pre-hook for the pass: the plan then calls hooked MoE blocks'
-    routers as modules, so their choice goes through ``KimiK2Router.route`` on every device.  Without
-    it a plan with ``kdtree::moe_route`` (CUDA) launches the op directly, the patched ``route`` never
-    runs, and the sacred tests' tie diagnostics saw no router at all (run 175: "nearest expert-choice
-    ties: []")."""
-    from torch_kdtree.models.kimi_k2.moe import KimiK2Router
-
-    real = KimiK2Router.route
-    calls = iter(range(len(model.model.layers)))
-
-    def hooked(self, logits, **kwargs):  # the plan's forms pass topk= (fused.route)
-        return real(self, hook(next(calls), self, logits), **kwargs)
-
-    handles = [m.register_forward_pre_hook(lambda module, args: None)
-               for m in model.modules() if isinstance(m, KimiK2Router)]
-    KimiK2Router.route = hooked
-    try:
-        with torch.no_grad():
-            return model(prefix[None]).logits[0].float()
-    finally:
-        KimiK2Router.route = real
-        for h in handles:
-            h.remove()
-
-
-def routing_margins(model, prefix: torch.Tensor, start: int) -> list[tuple[float, int, int]]:
-    """Diagnostics for a divergence: a prefill pass over ``prefix`` [L] recording, per MoE layer,
-    the smallest gap between the k-th and (k + 1)-th largest biased router scores (sigmoid(logit) +
-    e_score_correction_bias, group limits ignored) over positions ``start`` .. L - 1, as
-    (gap, layer, position), smallest first.  A gap near fp32 rounding says an expert choice there
-    was a near-tie, which a tree pass and a single-token pass may break differently."""
-    found = []
-
-    def recording(layer, router, logits):
-        rows = logits[start:].float()
-        if rows.shape[0]:
-            top = (rows.sigmoid() + router.e_score_correction_bias.float()).topk(router.top_k + 1, dim=-1).values
-            gaps = top[:, -2] - top[:, -1]
-            i = int(gaps.argmin())
-            found.append((float(gaps[i]), layer, start + i))
-        else:
-            found.append((float("inf"), layer, -1))
-        return logits
-
-    _prefill_routed(model, prefix, recording)
-    return sorted(found)
-
-
 def test_routing_margins_names_each_moe_layer_from_its_router_scores():
     """routing_margins (the sacred tests' failure diagnostics): one entry per MoE layer, the gap the
     float64 scores of that layer's input give at the positions asked for, and the router restored."""
@@ -934,11 +877,11 @@ def test_tie_diagnostics_see_the_routers_where_the_plan_launches_moe_route():
     unhooked = plan_pass(model, tokens=12, rows=12, tree=False, target=kernels)
     assert {lp.route for lp in unhooked.layers if lp.route} == {"moe_route"} and len(blocks) >= 2
     plain = routing_margins(model, prefix, 8)
-    base, rows = _last_position(model, prefix)
+    base, rows = last_position(model, prefix)
     model.model.plan_pass = lambda R, T, *, tree, dtype=None, **kw: plan_pass(model, tokens=T, rows=R * T, tree=tree,
                                                                               target=kernels, dtype=dtype)
     found = routing_margins(model, prefix, 8)
-    k_base, k_rows = _last_position(model, prefix)
+    k_base, k_rows = last_position(model, prefix)
     assert [(layer, pos) for _, layer, pos in found] == [(layer, pos) for _, layer, pos in plain]
     for (gap, _, _), (want, _, _) in zip(found, plain):
         assert abs(gap - want) <= 1e-5
@@ -947,142 +890,18 @@ def test_tie_diagnostics_see_the_routers_where_the_plan_launches_moe_route():
         assert router is want_router
         torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_base, base, rtol=1e-4, atol=1e-4)
-    knocked, _ = _last_position(model, prefix, (0, int(k_rows[0][0].argmax())))  # layer 0's top expert out
+    knocked, _ = last_position(model, prefix, (0, int(k_rows[0][0].argmax())))  # layer 0's top expert out
     assert not torch.equal(knocked, k_base)
 
 
-SCORE_TIE = 4 * 2.0 ** -8  # 4 bf16 ulps of a biased router score (sigmoid + bias, about 1)
-
-
-def _last_position(model, prefix: torch.Tensor, knock: tuple[int, int] | None = None):
-    """A prefill of ``prefix`` [L]: the fp32 logits of its last position, and per MoE layer (in call
-    order) that position's fp32 router logits and the router.  ``knock`` = (layer, expert): that
-    layer's router logit of ``expert`` at the last position is set to -1e4 before the choice, so
-    the next expert in line takes its place."""
-    rows = []
-
-    def recording(layer, router, logits):
-        rows.append((logits[-1].float().clone(), router))
-        if knock is not None and knock[0] == layer:
-            logits = logits.clone()
-            logits[-1, knock[1]] = -1e4
-        return logits
-
-    return _prefill_routed(model, prefix, recording)[-1], rows
-
-
-def expert_tie_flip(model, prefix: torch.Tensor, a: int, b: int, ulp: float) -> tuple[float, int] | None:
-    """Whether an expert-choice tie at the last position of ``prefix`` explains tokens ``a`` and
-    ``b`` there: a MoE layer whose k-th and (k + 1)-th biased router scores (group limits ignored)
-    are within SCORE_TIE, where one side of the tie (the prefill's choice, or the (k + 1)-th expert
-    instead of the k-th) makes ``a`` the argmax and the other side ``b``, each up to 4 bf16 ulps
-    (``ulp``).  Returns (score gap, layer) of the first such layer, else None."""
-    base, rows = _last_position(model, prefix)
-
-    def leads(logits, token):
-        return bool(logits[token] >= logits.max() - 4 * ulp)
-
-    for layer, (row, router) in enumerate(rows):
-        top = (row.sigmoid() + router.e_score_correction_bias.float()).topk(router.top_k + 1)
-        gap = float(top.values[-2] - top.values[-1])
-        if gap > SCORE_TIE:
-            continue
-        flipped, _ = _last_position(model, prefix, (layer, int(top.indices[-2])))
-        if (leads(base, a) and leads(flipped, b)) or (leads(base, b) and leads(flipped, a)):
-            return gap, layer
-    return None
-
-
-def decoded_logits(model, prompt: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 logits of ``prefix``'s last position [V] the way autoregressive decoding computes
-    them: ``prompt`` (a prefix of ``prefix``) prefilled into a fresh latent cache, then the rest of
-    ``prefix`` one token per pass through it (eager).  None when nothing follows the prompt (the
-    first generated token comes from the prompt's prefill)."""
-    from torch_kdtree.models.kimi_k2.cache import KimiK2Cache
-
-    P, L = len(prompt), len(prefix)
-    if L == P:
-        return None
-    cache = KimiK2Cache.for_model(model, 1, L + 1, dtype=model.dtype, device=prefix.device)
-    visible = torch.ones(1, 1, 1, dtype=torch.bool, device=prefix.device)
-    with torch.no_grad():
-        model(prompt[None], cache=cache, return_logits=False)
-        cache.advance(P)
-        for i in range(P, L):
-            out = model(prefix[None, i:i + 1], cache.lengths.long()[:, None], cache, visible)
-            cache.advance(1)
-    return out.logits[0, -1].float()
-
-
-def _ulp(logits: torch.Tensor) -> float:
-    """The bf16 ulp of the largest logit's magnitude."""
-    return 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
-
-
 def assert_equal_up_to_bf16_ties(model, ids, mask, got, want, resume=None, max_resumes: int = 8):
-    """got == want token for token, except that a request may diverge where its bf16 computation
-    is at a tie, which tree and single-token passes (different kernels) break differently.  At a
-    differing position (a bf16 prefill of the common prefix):
-
-    - the two tokens' logits tie within 4 bf16 ulps; or
-    - in single-token decoding of the same prefix (decoded_logits: the autoregressive step's kind of
-      pass), both tokens lie within 4 bf16 ulps of the top logit: the kinds of pass compute a
-      position's hidden state with different roundings, which can move a near-tie by more than a
-      few ulps, or flip a near-tied expert choice (bench/RESULTS.md run 161: a 46-ulp gap in the
-      prefill was 2 ulps in decoding, whose router chose another expert); or
-    - an expert choice of that position ties (expert_tie_flip): a MoE layer's k-th and (k + 1)-th
-      biased router scores lie within 4 bf16 ulps, and one side of that tie makes want's token the
-      argmax, the other side got's (each up to 4 ulps; either pass may be the one that the
-      prefill's bf16 rounding sides with).  Router inputs are bf16 residuals that the two kinds of pass
-      round differently, so scores that close are a coin toss, and an expert swap moves logits far
-      more than an ulp.
-
-    ``resume(prefix [L'], n) -> [n]`` (greedy autoregressive decoding of n tokens after a prompt):
-    after an accepted tie, got's later tokens are checked too, against autoregressive decoding
-    resumed from got's side of the tie (the same rules at each further divergence, up to
-    ``max_resumes`` per request).  Without it, checking stops at the first accepted tie.
-
-    Prints each case; a failure names the nearest expert-choice ties among the generated
-    positions (routing_margins)."""
-    T = ids.shape[1]
-    for r in range(ids.shape[0]):
-        prompt = ids[r][mask[r].bool()]
-        want_r = want[r]
-        for resumed in range(max_resumes + 1):
-            where = _first_difference(got[r], want_r)
-            if where is None:
-                if resumed:
-                    print(f"request {r}: equal to the resumed decoding to the end")
-                break
-            t = where[0]
-            prefix = torch.cat([prompt, got[r, T:t]])
-            with torch.no_grad():
-                logits = model(prefix[None]).logits[0, -1].float()
-            gap = (logits[want_r[t]] - logits[got[r, t]]).abs().item()
-            ulp = _ulp(logits)
-            if gap <= 4 * ulp:
-                print(f"request {r}: equal for {t - T} tokens, then a bf16 tie (gap {gap:.3g}, ulp {ulp:.3g})")
-            elif (decoded := decoded_logits(model, prompt, prefix)) is not None and all(
-                    decoded[tok] >= decoded.max() - 4 * _ulp(decoded) for tok in (want_r[t], got[r, t])):
-                print(f"request {r}: equal for {t - T} tokens, then a bf16 tie in single-token decoding (gap "
-                      f"{(decoded[want_r[t]] - decoded[got[r, t]]).abs().item():.3g}, ulp {_ulp(decoded):.3g}; "
-                      f"prefill gap {gap:.3g})")
-            else:
-                tie = expert_tie_flip(model, prefix, int(want_r[t]), int(got[r, t]), ulp)
-                if tie is None:
-                    near = routing_margins(model, prefix, int(mask[r].sum()))[:3]
-                    raise AssertionError(f"request {r} diverges at token {t - T} with a logit gap {gap} (bf16 ulp "
-                                         f"{ulp}); nearest expert-choice ties (gap, MoE layer, position): {near}")
-                print(f"request {r}: equal for {t - T} tokens, then an expert-choice tie (MoE layer {tie[1]}, score "
-                      f"gap {tie[0]:.3g}; logit gap {gap:.3g}): one choice gives each token")
-            if resume is None or t + 1 == got.shape[1]:
-                break
-            if resumed == max_resumes:
-                print(f"request {r}: not checked after token {t - T} ({max_resumes} resumed decodings)")
-                break
-            # from here on, got's side of the tie is the history: decode on from it
-            more = resume(torch.cat([prompt, got[r, T:t + 1]]), got.shape[1] - t - 1)
-            want_r = torch.cat([got[r, :t + 1], more.to(got.device, got.dtype)])
+    """got == want token for token up to bf16 ties (the sacred tests' rule:
+    torch_kdtree.models.generation.ties.check_equal_up_to_bf16_ties, which says what counts as a
+    tie); prints each accepted tie, and fails naming the first divergence no tie explains."""
+    result = check_equal_up_to_bf16_ties(model, ids, mask, got, want, resume=resume, max_resumes=max_resumes,
+                                         log=print)
+    if not result.equal:
+        raise AssertionError(result.divergence)
 
 
 def _expert_tie(seed: int, gap: float):
@@ -1092,12 +911,12 @@ def _expert_tie(seed: int, gap: float):
     for s in range(seed, seed + 50):
         model = target(s)
         prefix = torch.randint(3, 128, (10,), generator=torch.Generator().manual_seed(s))
-        _, ((row, router),) = _last_position(model, prefix)
+        _, ((row, router),) = last_position(model, prefix)
         top = (row.sigmoid() + router.e_score_correction_bias).topk(3)
         with torch.no_grad():
             router.e_score_correction_bias[top.indices[2]] += float(top.values[1] - top.values[2]) - gap
-        base, _ = _last_position(model, prefix)
-        flipped, _ = _last_position(model, prefix, (0, int(top.indices[1])))
+        base, _ = last_position(model, prefix)
+        flipped, _ = last_position(model, prefix, (0, int(top.indices[1])))
         if flipped.argmax() != base.argmax() and base.max() - base[flipped.argmax()] > 0.5:
             return model, prefix, int(base.argmax()), int(flipped.argmax()), flipped, int(top.indices[1])
     raise AssertionError("no seed gave an expert swap that changes the argmax")
@@ -1127,6 +946,13 @@ def test_an_expert_choice_tie_explains_a_divergence_only_when_its_other_side_giv
     for got, expected in ((neither, want), (other, neither)):
         with pytest.raises(AssertionError, match="diverges at token 0"):
             assert_equal_up_to_bf16_ties(model, ids, mask, sequence(got), sequence(expected))
+    # the library check behind the assertion (the demo's on a GPU) returns its verdict instead
+    ok = check_equal_up_to_bf16_ties(model, ids, mask, sequence(other), sequence(want))
+    assert ok.equal and ok.ties == 1 and ok.divergence is None and "expert-choice tie" in ok.lines[0]
+    bad = check_equal_up_to_bf16_ties(model, ids, mask, sequence(neither), sequence(want))
+    assert not bad.equal and bad.ties == 0 and bad.divergence.startswith("request 0 diverges at token 0")
+    same = check_equal_up_to_bf16_ties(model, ids, mask, sequence(want), sequence(want))
+    assert same.equal and same.ties == 0 and same.lines == []
     model, prefix, want, other, _, _ = _expert_tie(31, 4 * SCORE_TIE)  # `sequence` now extends this prefix
     with pytest.raises(AssertionError, match="diverges at token 0"):
         assert_equal_up_to_bf16_ties(model, prefix[None], mask, sequence(other), sequence(want))
@@ -1144,7 +970,7 @@ def _decoding_tie(first_seed: int):
             pre = model(prefix[None]).logits[0, -1].float()
         dec = decoded_logits(model, prefix[:6], prefix)
         a, b = dec.topk(2).indices.tolist()
-        if (dec[b] >= dec[a] - 4 * _ulp(dec) and abs(pre[a] - pre[b]) > 4 * _ulp(pre)
+        if (dec[b] >= dec[a] - 4 * bf16_ulp(dec) and abs(pre[a] - pre[b]) > 4 * bf16_ulp(pre)
                 and int(pre.argmax()) in (a, b)):
             top = int(pre.argmax())
             return model, prefix[:6], prefix, top, b if top == a else a

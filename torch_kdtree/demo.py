@@ -210,10 +210,32 @@ def main(argv=None) -> None:
     print(f"tokens/s inside the decoding steps (no prefill, no oracle look-ahead): "
           f"DDTree {tokens / dd_steps:.1f}, autoregressive {tokens / ar_steps:.1f}: "
           f"DDTree / AR {ar_steps / dd_steps:.2f}x")
-    same = torch.equal(dd.sequences, ar.sequences)
+    report_equality(target, ids, mask, dd.sequences, ar.sequences, exact=dtype == torch.float32)
+
+def report_equality(target, ids, mask, got, want, exact: bool) -> None:
+    """Prints whether DDTree's sequences ``got`` equal autoregressive ``want``; exits non-zero if not.
+    ``exact`` (fp32) asks for token-for-token equality; in bf16 the tree and single-token passes are
+    different kernels, so a position at a tie may go either way, and the sacred tests' rule
+    (models/generation/ties.py) accepts exactly those divergences, explaining each."""
+    same = torch.equal(got, want)
     print(f"DDTree output == autoregressive output: {same}")
-    if not same:
+    if same:
+        return
+    if exact:
         raise SystemExit("DDTree and autoregressive outputs differ")
+    from torch_kdtree.models.generation.ties import check_equal_up_to_bf16_ties
+
+    def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:  # greedy AR from got's side of a tie
+        out = target.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
+                              eos_token_id=None)
+        return out[0, prefix.numel():]
+
+    print("bf16: checking each divergence against the sacred tests' tie rule (extra eager passes)")
+    check = check_equal_up_to_bf16_ties(target, ids, mask, got, want, resume=resume,
+                                        log=lambda line: print(f"  {line}"))
+    if not check.equal:
+        raise SystemExit(f"DDTree and autoregressive outputs differ where no bf16 tie explains it: {check.divergence}")
+    print(f"DDTree output == autoregressive output up to bf16 ties: True ({check.ties} tie(s), each explained above)")
 
 
 if __name__ == "__main__":
