@@ -10,5 +10,6 @@ cat "$SRC"/pair.tar.part-* | tar xf - -C models/default_pair.unpack
 ( cd models/default_pair.unpack/models/default_pair && sha256sum -c --quiet "$SRC/pair.sha256" )
 rm -rf models/default_pair && mv models/default_pair.unpack/models/default_pair models/default_pair
 rm -rf models/default_pair.unpack
-python -c "from torch_kdtree.models import load_default_pair; t, d, tok = load_default_pair(); print('loaded:', type(t).__name__, type(d).__name__, len(tok), 'tokens')"
+PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python  # the checkout's venv (scripts/setup.sh) when there is one
+"$PY" -c "from torch_kdtree.models import load_default_pair; t, d, tok = load_default_pair(); print('loaded:', type(t).__name__, type(d).__name__, len(tok), 'tokens')"
 du -sh models/default_pair

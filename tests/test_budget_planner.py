@@ -222,17 +222,25 @@ def test_noisy_one_step_segments_and_a_growing_context_do_not_tempt_it_into_tree
 def test_a_tree_chosen_on_one_lucky_look_runs_a_step_at_a_time_until_it_is_confirmed():
     """One request, a useless drafter whose first look happened to accept 10 tokens: the tree is
     the choice (10 / 4 > 1 / 1) but rests on one request-step, so it runs single steps (a GPU
-    segment would be 8 of them) until PROBATION request-steps back it: two ordinary steps send the
-    planner back to AR, a step at a time, not a segment at once."""
-    from torch_kdtree.models.generation.budget import PROBATION
+    segment would be 8 of them) until PROBATION request-steps back it: two ordinary steps make AR
+    the choice, a step at a time, not a segment at once; its estimate then rests on so few steps
+    that one short recheck (at most RECHECK_STEPS) runs before AR takes over."""
+    from torch_kdtree.models.generation.budget import PROBATION, RECHECK_STEPS
 
     planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
     planner.observe(16, {16: (10.0, 1.0)}, 4.0, 1)  # the first look: a(16) = 10 on one request-step
     assert (planner.current, planner.segment_steps) == (16, 1)
     planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # a(16) ~ 5.4: still the choice, still on probation
     assert (planner.current, planner.segment_steps) == (16, 1)
-    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # ~3.9 < 4: AR again, after single steps only
-    assert planner.current == 0
+    planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)  # ~3.9 < 4: AR is the choice, after single steps only
+    # ... but ~3.9 on three request-steps is within the noise of 4: one short recheck (an
+    # exploration at the smallest tree budget, here 16), then AR
+    assert (planner.best, planner.current, planner.segment_steps, planner.exploring) == (0, 16, 1, True)
+    steps = 0
+    while planner.exploring:
+        planner.observe(16, {16: (1.0, 1.0)}, 4.0, 1)
+        steps += 1
+    assert planner.current == 0 and steps <= RECHECK_STEPS
     # a drafter that keeps delivering is confirmed and gets whole segments
     planner = BudgetPlanner((0, 16), {0: 1.0, 16: 4.0})
     steps = 0
@@ -240,6 +248,37 @@ def test_a_tree_chosen_on_one_lucky_look_runs_a_step_at_a_time_until_it_is_confi
         planner.observe(16, {16: (10.0, 1.0)}, 4.0, 1)
         steps += 1
     assert planner.current == 16 and planner.weight[16] >= PROBATION and steps == 5  # ages 0.5 ** (1 / 16) a step
+
+
+def test_a_good_drafter_whose_look_falls_on_a_hard_start_is_rechecked_and_kept():
+    """The trained pair on the CPU (2026-12-06): the first look and the probation step fell on the
+    start of a completion, which the drafter finds hard, and put B = 8 just below AR (2.07 tokens a
+    step against the 2.16 it needs); the share bound then scheduled the next look after ~230 AR
+    steps, so a 64-token generation ran autoregressively at 0.85-0.95x where B = 8 gives 1.3-1.4x.
+    Now a tree dropped on that little evidence is rechecked once, at the smallest budget, and a
+    drafter that is good after the start is back within RECHECK_STEPS; a useless one is not
+    rechecked (its estimate is clear at once)."""
+    from torch_kdtree.models.generation.budget import RECHECK_STEPS
+
+    times = {0: 11.55, 4: 24.27, 8: 24.92}  # ms, measured there
+    planner = BudgetPlanner((0, 4, 8), times)
+    assert planner.current == 8  # the first look at the largest budget
+    planner.observe(8, {4: (4.6, 2.0), 8: (5.2, 2.0)}, 24.9, 1)  # two requests: a(8) = 2.6 > 2.16
+    assert (planner.best, planner.current, planner.segment_steps) == (8, 8, 1)  # on probation
+    planner.observe(8, {4: (2.6, 2.0), 8: (2.8, 2.0)}, 24.9, 1)  # a hard step: a(8) ~ 2.0 < 2.16
+    assert planner.best == 0 and planner.exploring and planner.current == 4
+    steps = 0
+    while planner.exploring:
+        planner.observe(4, {4: (6.4, 2.0)}, 24.3, 1)  # the completion's loop: 3.2 a step at B = 4
+        steps += 1
+    assert planner.best == 4 and planner.current == 4 and steps <= RECHECK_STEPS
+    # a useless drafter: its first look goes on until no tree could win (an unclear first look),
+    # no tree is ever the choice, so nothing is on probation and nothing is rechecked
+    planner = BudgetPlanner((0, 4, 8), times)
+    while planner.exploring:
+        planner.observe(8, {4: (2.1, 2.0), 8: (2.1, 2.0)}, 24.9, 1)
+        assert planner.best == 0 and not planner.rechecked
+    assert planner.current == 0 and len(planner.history) <= 4
 
 
 def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_dropped():

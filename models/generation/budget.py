@@ -30,7 +30,10 @@ stay written off); otherwise it is one step.  An exploration that finds nothing 
 ``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
 drafter is looked at less often, a change of text is followed at once.  A tree that becomes the
 choice on the strength of few request-steps (one lucky look) runs a step at a time until its a(b)
-rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment.  A confirmed
+rests on ``PROBATION`` of them, so a wrong choice costs a step, not a whole segment; if it drops
+below AR on that little evidence by less than its noise, it is rechecked once per look (a step or
+two at the smallest budget, ``RECHECK_STEPS``): a look and a probation step can fall on the hard
+start of a text.  A confirmed
 tree whose estimate dips below AR's by less than its noise is measured on, a step at a time, until
 the answer is clear or ``CONFIRM_STEPS`` have run (AR measures no tree: dropped on noise, it would
 stay dropped until the next look, which the share bound may put after the end of the generation).
@@ -40,6 +43,7 @@ from __future__ import annotations
 AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
 CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
+RECHECK_STEPS = 2  # the same for a tree still on probation (once per scheduled look)
 
 
 class FixedBudget:
@@ -93,6 +97,7 @@ class BudgetPlanner:
         self.clock = 0.0  # modelled seconds of generation so far (steps x t(budget))
         self.explored_at = self.explore_cost = 0.0  # when the last exploration ended, what it cost
         self.exploring = False
+        self.rechecked = False  # a tree on probation was measured on after a dip since the last look
         self.history: list[dict] = []
         if self.largest > self.best:  # nothing is known of any tree yet
             self._start_exploring()
@@ -131,13 +136,18 @@ class BudgetPlanner:
                     self.backoff = min(self.backoff + 1, self.max_backoff)
         if self.best != before:  # the text changed, or exploring paid off: look as often as allowed
             self.backoff = 0
-            if self.best == 0 and before != 0 and self.weight[before] >= PROBATION and not self.exploring \
+            confirmed = self.weight[before] >= PROBATION
+            if self.best == 0 and before != 0 and not self.exploring and (confirmed or not self.rechecked) \
                     and self._unclear():
-                # a confirmed tree's estimate dipped below AR's by less than its noise: go on
-                # measuring that tree (a step at a time, as an exploration) until it is clear; AR
-                # measures no tree, so abandoning it on noise would hold until the next look, which
-                # the share bound makes late (a tree still on probation goes back to AR at once)
-                self._start_exploring(before)
+                # a tree's estimate dipped below AR's by less than its noise: go on measuring (a
+                # step at a time, as an exploration) until it is clear; AR measures no tree, so
+                # abandoning it on noise would hold until the next look, which the share bound makes
+                # late.  A confirmed tree is measured at its own budget (CONFIRM_STEPS at most); a
+                # tree still on probation -- its estimate rests on a look and a step or two, e.g. at
+                # the hard start of a text -- once per look, at the smallest budget (the cheapest
+                # step; RECHECK_STEPS at most), so that a drafter right now and then, whose lucky
+                # looks put trees on probation again and again, costs little
+                self._start_exploring(before if confirmed else self.candidates[1], recheck=not confirmed)
         # an exploration of s seconds is followed by s / share seconds of other steps (share
         # halved per back-off), so exploring takes at most `share` of the time after the first
         if not self.exploring and self.best < self.largest and \
@@ -175,13 +185,18 @@ class BudgetPlanner:
                     return True
         return False
 
-    def _start_exploring(self, budget: int | None = None) -> None:
-        """Explore at ``budget`` (default: the largest, which measures every a(b) at once)."""
+    def _start_exploring(self, budget: int | None = None, recheck: bool = False) -> None:
+        """Explore at ``budget`` (default: the largest, which measures every a(b) at once);
+        ``recheck``: a tree on probation dipped (at most once per scheduled look)."""
         self.exploring, self.explore_from = True, self.best
+        if budget is None:  # a scheduled look: a tree it puts on probation may be rechecked once
+            self.rechecked = False
+        self.rechecked = self.rechecked or recheck
         self.explore_budget = self.largest if budget is None else budget
         # a dipped tree's measuring (budget given) is short: at a large budget each step costs
         # several AR steps, and a drafter that is right now and then dips often
-        self.explore_limit = self.max_explore_steps if budget is None else CONFIRM_STEPS
+        self.explore_limit = (self.max_explore_steps if budget is None else
+                              RECHECK_STEPS if recheck else CONFIRM_STEPS)
         self.explore_steps, self.explore_cost = 0, 0.0
 
     def _plan(self) -> None:
