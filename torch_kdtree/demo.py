@@ -129,13 +129,17 @@ def main(argv=None) -> None:
                     help="'auto' (the trained default pair when installed, else random), 'random', or a directory "
                          "written by python -m training.run")
     ap.add_argument("--max-new-tokens", type=_in_range(int, 1, 4096), default=None,
-                    help="1..4096 (default 64 with a trained pair, 32 with the random one)")
+                    help="1..4096 (default with a trained pair: 256 on a GPU, the length issue 48 measures "
+                         "acceptance at; 64 on the CPU, which keeps the main job within ~3 minutes of a 2-core "
+                         "machine; 32 with the random pair)")
     ap.add_argument("--batch", type=_in_range(int, 1, 64), default=2,
                     help="requests (prompts of different lengths), 1..64 (default 2)")
     ap.add_argument("--budget", type=_budget, default=None,
-                    help="tree budget B in 1..1024, or 'auto' (default: 16 on a GPU; 8 on the CPU, where a verify "
-                         "pass costs compute in proportion to its B + 1 nodes: with the default pair, DDTree / AR "
-                         "was 1.14-1.26x at 8 on a 2-core CPU, 2026-12-05; 6-10 within ~4 %%, 16 and 4 lower)")
+                    help="tree budget B in 1..1024, or 'auto' (default: 8 on a GPU, 4 on the CPU; the trained "
+                         "pair's sweeps, 2026-12-06: on an H100 at 256 tokens B = 4 / 8 / 16 gave DDTree / AR "
+                         "1.42 / 1.58 / 1.56x wall clock; on the 2-core CPU at 64 tokens, where a verify pass "
+                         "costs compute in proportion to its B + 1 nodes, B = 4 1.40x, 8 1.31x, 12 1.2x, "
+                         "medians of alternated runs)")
     ap.add_argument("--block-size", type=_in_range(int, 2, 16), default=None,
                     help="the random drafter's block size (L = block size - 1), 2..16 (default 4; a trained "
                          "drafter has its own)")
@@ -151,7 +155,7 @@ def main(argv=None) -> None:
 
     device = _device()
     if budget is None:
-        budget = 16 if device == "cuda" else 8
+        budget = 8 if device == "cuda" else 4
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     # at most 2 threads: on the 2-core CPU, 2 beat 1 for both decodings of the default pair (B = 8,
     # medians of 6 interleaved runs: AR 454 -> 439 ms, DDTree 456 -> 386 ms; bench/RESULTS.md, CPU
@@ -170,7 +174,7 @@ def main(argv=None) -> None:
         ap.error("--block-size: a trained drafter has its own block size (use --pair random to choose one)")
     target, drafter, tokenizer, prompts, kind = (_trained_pair(args, path, device, dtype) if path is not None
                                                  else _random_pair(args, device, dtype))
-    new_tokens = args.max_new_tokens or (64 if kind == "trained" else 32)
+    new_tokens = args.max_new_tokens or ((256 if device == "cuda" else 64) if kind == "trained" else 32)
     if args.drafter == "oracle":
         drafter = OracleDrafter(target, drafter.block_size, accuracy=args.accuracy, seed=args.seed)
     c = target.config
