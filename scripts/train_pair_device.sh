@@ -18,7 +18,7 @@ t0=$(date +%s)
 # A call may run 600 s: ~40 s of build, then the pipeline (experts through grouped_padded on CUDA),
 # whose long phases stop at their step counts or time caps (pre-training 4,600 steps / 4.5 min, QAT
 # 0.75 min, drafter 9,000 steps / 2.75 min) plus ~1.3 min of corpus, tokenizer, held-out scoring,
-# continuations and checks: ~500 s on an H200 (estimate from run 195's phases).
+# continuations and checks: run 201 took 396 s on an H100 (pre-training 217 s at 700 k tokens/s).
 # PAIR_ROOT: where models/default_pair is written (default: the checkout; scripts/device_tests_and_pair.sh
 # trains elsewhere so that the tests it runs beside the training never see a half-written pair)
 ROOT=${PAIR_ROOT:-.}
