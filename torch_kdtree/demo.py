@@ -216,6 +216,7 @@ def main(argv=None) -> None:
           f"DDTree / AR {ar_steps / dd_steps:.2f}x")
     report_equality(target, ids, mask, dd.sequences, ar.sequences, exact=dtype == torch.float32)
 
+
 def report_equality(target, ids, mask, got, want, exact: bool) -> None:
     """Prints whether DDTree's sequences ``got`` equal autoregressive ``want``; exits non-zero if not.
     ``exact`` (fp32) asks for token-for-token equality; in bf16 the tree and single-token passes are
@@ -231,7 +232,7 @@ def report_equality(target, ids, mask, got, want, exact: bool) -> None:
 
     def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:  # greedy AR from got's side of a tie
         out = target.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
-                              eos_token_id=None)
+                              eos_token_id=None, compile_step=False)  # a one-off session: no compile
         return out[0, prefix.numel():]
 
     print("bf16: checking each divergence against the sacred tests' tie rule (extra eager passes)")
