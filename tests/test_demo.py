@@ -8,6 +8,7 @@ def test_demo_runs_and_ddtree_equals_autoregressive(capsys):
     demo.main(["--max-new-tokens", "6", "--batch", "2", "--budget", "auto", "--drafter", "oracle"])
     out = capsys.readouterr().out
     assert "DDTree output == autoregressive output: True" in out and "mean acceptance length" in out
+    assert "per call (ms, medians of each part): DDTree wall" in out and ", the rest " in out
 
 
 @pytest.mark.parametrize("argv,what", [

@@ -168,6 +168,29 @@ def test_greedy_ddtree_equals_autoregressive_over_seeds(seed):
     assert out.mean_accept_length > 1.5  # drafts were accepted: the commit really moved entries
 
 
+def test_a_calls_prefill_and_step_seconds_are_parts_of_its_wall_time():
+    """prefill_seconds (the time to the first token) and step_seconds (inside the decoding steps) of
+    a call: both positive, together within the call's wall clock, and the prefill grows with the
+    prompt (a 1,024-token prompt against a 4-token one, the same session sizes)."""
+    import time
+
+    model = target(23)
+    drafter = make_drafter("oracle_80", model, 23, 4)
+    for speculative in (None, "ddtree"):
+        prefills = []
+        for n in (4, 1024):
+            ids = torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(n))
+            kw = dict(drafter=drafter, tree_budget=6) if speculative else {}
+            model.generate(ids, max_new_tokens=8, eos_token_id=None, **kw)  # the session, once
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=8, eos_token_id=None, return_dict_in_generate=True, **kw)
+            wall = time.perf_counter() - t0
+            assert out.prefill_seconds > 0 and out.step_seconds > 0
+            assert out.prefill_seconds + out.step_seconds <= wall
+            prefills.append(out.prefill_seconds)
+        assert prefills[1] > 2 * prefills[0], prefills  # 256x the prompt: far more than timer noise
+
+
 def test_oracle_accuracy_controls_acceptance():
     model = target(30)
     ids, mask = prompts(1, 30)

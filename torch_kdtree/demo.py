@@ -39,7 +39,8 @@ REPEATS = 3  # timed runs of each decoding, alternated; the medians are printed
 def _timed_alternately(*fns, repeats: int = REPEATS):
     """Each of ``fns`` once untimed (the first call builds its session, and captures the graphs on
     CUDA), then all of them in turn ``repeats`` times, so that a busy machine's drifts fall on every
-    decoding alike.  Per fn: (its last output, median wall seconds, median seconds inside the steps)."""
+    decoding alike.  Per fn: (its last output, median wall seconds, median seconds inside the steps,
+    median prefill seconds, median of the rest: host work outside both)."""
     for fn in fns:
         fn()
     runs = [[] for _ in fns]
@@ -51,8 +52,9 @@ def _timed_alternately(*fns, repeats: int = REPEATS):
             out = fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0, out.step_seconds, out))
-    return [(times[-1][2], statistics.median(t for t, _, _ in times), statistics.median(s for _, s, _ in times))
+            times.append((time.perf_counter() - t0, out.step_seconds, out.prefill_seconds, out))
+    return [(times[-1][3], statistics.median(t[0] for t in times), statistics.median(t[1] for t in times),
+             statistics.median(t[2] for t in times), statistics.median(t[0] - t[1] - t[2] for t in times))
             for times in runs]
 
 
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
     ids, mask = ids.to(device), mask.to(device)
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)
 
-    (ar, ar_s, ar_steps), (dd, dd_s, dd_steps) = _timed_alternately(
+    (ar, ar_s, ar_steps, ar_pre, ar_host), (dd, dd_s, dd_steps, dd_pre, dd_host) = _timed_alternately(
         lambda: target.generate(ids, return_dict_in_generate=True, **common),
         lambda: target.generate(ids, drafter=drafter, tree_budget=budget, return_dict_in_generate=True, **common))
     tokens = len(prompts) * new_tokens
@@ -214,6 +216,10 @@ def main(argv=None) -> None:
     print(f"tokens/s inside the decoding steps (no prefill, no oracle look-ahead): "
           f"DDTree {tokens / dd_steps:.1f}, autoregressive {tokens / ar_steps:.1f}: "
           f"DDTree / AR {ar_steps / dd_steps:.2f}x")
+    print(f"per call (ms, medians of each part): DDTree wall {dd_s * 1e3:.1f}: prefill {dd_pre * 1e3:.1f}, steps "
+          f"{dd_steps * 1e3:.1f}, the rest {dd_host * 1e3:.1f}; autoregressive wall {ar_s * 1e3:.1f}: prefill "
+          f"{ar_pre * 1e3:.1f}, steps {ar_steps * 1e3:.1f}, the rest {ar_host * 1e3:.1f} (host work between "
+          f"segments, reset, output)")
     report_equality(target, ids, mask, dd.sequences, ar.sequences, exact=dtype == torch.float32)
 
 

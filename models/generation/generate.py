@@ -59,7 +59,10 @@ class DDTreeGenerateOutput(ModelOutput):
     phase times (ms) and accept lengths, with ``profile=True``, and ``plan``, the session's decode
     plan (which kernels each layer of each step ran, models/kimi_k2/plan.py).  budget_history: the planner's
     estimates per segment with ``tree_budget="auto"``.  step_seconds: time inside the decoding
-    steps (CUDA events; no prefill, no host gaps, no oracle look-ahead)."""
+    steps (CUDA events; no prefill, no host gaps, no oracle look-ahead).  prefill_seconds: the
+    prompts' prefill through the first token (the time to first token on the device, CUDA events;
+    the host's clock on the CPU); the rest of a call's wall time beyond the two is host work
+    between segments, the reset and the output's assembly."""
 
     sequences: torch.LongTensor = None
     accept_lengths: Optional[torch.Tensor] = None
@@ -68,6 +71,7 @@ class DDTreeGenerateOutput(ModelOutput):
     plan: Optional[str] = None
     budget_history: Optional[list] = None
     step_seconds: Optional[float] = None
+    prefill_seconds: Optional[float] = None
 
     @property
     def mean_accept_length(self) -> float:
@@ -308,8 +312,10 @@ class DDTreeGenerationMixin(GenerationMixin):
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
+        prefill_marks = [session._clock()]
         session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk,
                         min_new_tokens=min_new if mode.min_new else 0, repetition_penalty=float(penalty))
+        prefill_marks.append(session._clock())
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0
@@ -339,7 +345,15 @@ class DDTreeGenerationMixin(GenerationMixin):
                                     budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
                                     plan=str(session.plan) if profile else None,
                                     budget_history=getattr(policy, "history", None) if auto else None,
-                                    step_seconds=run["step_seconds"])
+                                    step_seconds=run["step_seconds"], prefill_seconds=_elapsed(*prefill_marks))
+
+
+def _elapsed(start, end) -> float:
+    """Seconds between two GenerationSession._clock() marks (CUDA events: both completed, as the
+    decoding loop has synchronised since)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
 
 
 def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, kv_cache_dtype, cuda_graphs,
