@@ -312,10 +312,8 @@ class DDTreeGenerationMixin(GenerationMixin):
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
         policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
-        prefill_marks = [session._clock()]
         session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk,
                         min_new_tokens=min_new if mode.min_new else 0, repetition_penalty=float(penalty))
-        prefill_marks.append(session._clock())
         if streamer is not None:
             streamer.put(prompts[:, : int(lengths[0])].cpu())
         sent = 0
@@ -345,15 +343,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                                     budgets=run["budgets"][:steps], profile=run["profile"][:steps] if profile else None,
                                     plan=str(session.plan) if profile else None,
                                     budget_history=getattr(policy, "history", None) if auto else None,
-                                    step_seconds=run["step_seconds"], prefill_seconds=_elapsed(*prefill_marks))
-
-
-def _elapsed(start, end) -> float:
-    """Seconds between two GenerationSession._clock() marks (CUDA events: both completed, as the
-    decoding loop has synchronised since)."""
-    if isinstance(start, float):
-        return end - start
-    return start.elapsed_time(end) / 1e3
+                                    step_seconds=run["step_seconds"], prefill_seconds=session.prefill_seconds())
 
 
 def _session(model, drafter, *, R, max_prompt, max_new, budgets, mode, page_size, kv_cache_dtype, cuda_graphs,

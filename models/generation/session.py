@@ -547,12 +547,19 @@ class GenerationSession:
             return event
         return time.perf_counter()
 
+    def _seconds(self, start, end) -> float:
+        """Seconds between two _clock() marks (CUDA events: both completed, after a synchronisation)."""
+        return start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+
     def _timed_seconds(self) -> float:
         """Seconds inside the steps recorded since timing started (after a synchronisation)."""
         marks, self._timing = self._timing, None
-        if self.device.type == "cuda":
-            return sum(a.elapsed_time(b) for a, b in zip(marks[::2], marks[1::2])) / 1e3
-        return sum(b - a for a, b in zip(marks[::2], marks[1::2]))
+        return sum(self._seconds(a, b) for a, b in zip(marks[::2], marks[1::2]))
+
+    def prefill_seconds(self) -> float:
+        """The last prefill's time through the first token (read after the decoding loop, which
+        synchronises; CUDA events on a GPU, the host's clock on the CPU)."""
+        return self._seconds(*self._prefill_marks)
 
     @torch.no_grad()
     def profile_step(self, budget: int) -> dict:
@@ -676,6 +683,7 @@ class GenerationSession:
         if len(eos) > MAX_EOS:
             raise ValueError(f"generate: at most {MAX_EOS} eos_token_id values, got {len(eos)}")
         chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
+        start = self._clock()
         self.reset()
         if sampling is not None:
             if replace(self.params.set(*sampling), min_new=self.mode.min_new, penalty=self.mode.penalty) != self.mode:
@@ -722,6 +730,7 @@ class GenerationSession:
         self.out[:, 0] = first
         self.out_len.fill_(1)
         self.done.copy_(self._is_eos(first) | (self.max_new_t <= 1))
+        self._prefill_marks = (start, self._clock())
 
     def drafter_is_current(self) -> bool:
         """Whether the drafter still holds the state tensors this session was built on (another
