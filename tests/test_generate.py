@@ -20,7 +20,7 @@ from torch_kdtree.models.dflash import DFlashDraftModel
 from torch_kdtree.models.generation import BudgetPlanner, OracleDrafter, process_logits
 from torch_kdtree.models.generation.tiny import tiny_drafter, tiny_target
 from torch_kdtree.models.generation.ties import (SCORE_TIE, bf16_ulp, check_equal_up_to_bf16_ties, decoded_logits,
-                                                 last_position, routing_margins)
+                                                 greedy_resume, last_position, routing_margins)
 from torch_kdtree.ops import ddtree_build, tree_accept
 
 requires_mla_cuda = requires_cuda_kernel("kdtree::mla_tree_attention")
@@ -1031,13 +1031,7 @@ def test_a_tie_in_single_token_decoding_explains_a_divergence(capsys):
         assert_equal_up_to_bf16_ties(model, prompt[None], mask, sequence(low), sequence(top))
 
 
-def _greedy(model, compile_step=False):
-    """resume for assert_equal_up_to_bf16_ties: n greedy autoregressive tokens after a prompt [L]."""
-    def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:
-        out = model.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
-                             eos_token_id=None, compile_step=compile_step)
-        return out[0, prefix.numel():]
-    return resume
+_greedy = greedy_resume  # resume for assert_equal_up_to_bf16_ties (test_default_pair, the TP tests import it)
 
 
 def test_ties_are_checked_past_the_first_with_a_resumed_decoding(capsys):

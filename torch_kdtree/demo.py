@@ -234,15 +234,10 @@ def report_equality(target, ids, mask, got, want, exact: bool) -> None:
         return
     if exact:
         raise SystemExit("DDTree and autoregressive outputs differ")
-    from torch_kdtree.models.generation.ties import check_equal_up_to_bf16_ties
-
-    def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:  # greedy AR from got's side of a tie
-        out = target.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
-                              eos_token_id=None, compile_step=False)  # a one-off session: no compile
-        return out[0, prefix.numel():]
+    from torch_kdtree.models.generation.ties import check_equal_up_to_bf16_ties, greedy_resume
 
     print("bf16: checking each divergence against the sacred tests' tie rule (extra eager passes)")
-    check = check_equal_up_to_bf16_ties(target, ids, mask, got, want, resume=resume,
+    check = check_equal_up_to_bf16_ties(target, ids, mask, got, want, resume=greedy_resume(target),
                                         log=lambda line: print(f"  {line}"))
     if not check.equal:
         raise SystemExit(f"DDTree and autoregressive outputs differ where no bf16 tie explains it: {check.divergence}")

@@ -147,6 +147,17 @@ def bf16_ulp(logits: torch.Tensor) -> float:
     return 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
 
 
+def greedy_resume(model, compile_step=False):
+    """``resume`` for :func:`check_equal_up_to_bf16_ties`: ``resume(prefix [L], n)`` -> the n greedy
+    autoregressive tokens ``model.generate`` makes after ``prefix`` (batch 1; ``compile_step`` as
+    generate takes it: none by default, a one-off session)."""
+    def resume(prefix: torch.Tensor, n: int) -> torch.Tensor:
+        out = model.generate(prefix[None], attention_mask=torch.ones_like(prefix)[None], max_new_tokens=n,
+                             eos_token_id=None, compile_step=compile_step)
+        return out[0, prefix.numel():]
+    return resume
+
+
 @dataclass
 class TieCheck:
     """The verdict of :func:`check_equal_up_to_bf16_ties`: ``equal`` when every request matched up
@@ -239,5 +250,5 @@ def check_equal_up_to_bf16_ties(model, ids, mask, got, want, resume=None, max_re
     return result
 
 
-__all__ = ["TieCheck", "check_equal_up_to_bf16_ties", "routing_margins", "expert_tie_flip", "decoded_logits",
+__all__ = ["TieCheck", "check_equal_up_to_bf16_ties", "greedy_resume", "routing_margins", "expert_tie_flip", "decoded_logits",
            "last_position", "prefill_routed", "first_difference", "bf16_ulp", "SCORE_TIE"]
