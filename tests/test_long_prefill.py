@@ -228,6 +228,103 @@ def test_fp8_rows_of_a_chunked_prefill_dequantise_like_the_one_pass_rows():
 # CUDA
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("penalty,int4", [(False, False), (True, True)])
+def test_session_chain_prefill_equals_the_eager_prefill(penalty, int4):
+    """A short prompt's prefill as one tree pass over its chain (GenerationSession._chain_prefill,
+    what a CUDA session captures per prompt size) leaves the eager prefill's cache rows, lengths,
+    DFlash context K/V, first token and (repetition penalty) seen tokens, to fp32 rounding, and
+    greedy generation afterwards emits the same tokens; right padding, ragged lengths, an INT4
+    target included.  The chain ran (its plan), the eager session's did not."""
+    from torch_kdtree.models.generation import SamplingMode
+    from torch_kdtree.models.generation.budget import FixedBudget
+
+    model = target(30, **({"hidden_size": 128, "moe_intermediate_size": 64} if int4 else {}))
+    if int4:
+        from torch_kdtree.models.generation.tiny import quantize_experts_int4
+
+        quantize_experts_int4(model)
+    ids, lengths = _ragged(3, 27, seed=31)
+    mode = SamplingMode(penalty=penalty)
+    sessions = []
+    for chain in (0, 64):
+        drafter = tiny_drafter(model, seed=32)
+        s = GenerationSession(model, drafter, batch_size=3, max_prompt=32, max_new=12, budgets=(0, 6), mode=mode,
+                              chain_prefill=chain)
+        s.prefill(ids, lengths, max_new=12, eos=[], repetition_penalty=1.3 if penalty else 1.0)
+        sessions.append((s, drafter))
+    (eager, d1), (chain, d2) = sessions
+    assert not eager.prefill_plans and list(chain.prefill_plans) == [32]  # size_bucket(27)
+    assert torch.equal(eager.cache.lengths, chain.cache.lengths) and chain.cache.lengths.tolist() == lengths.tolist()
+    assert torch.equal(eager.root, chain.root) and torch.equal(eager.out[:, :1], chain.out[:, :1])
+    assert torch.equal(eager.seen[:, :-1], chain.seen[:, :-1]) and torch.equal(eager.done, chain.done)  # less the sink
+    for layer in range(len(model.model.layers)):
+        a, b = _rows(eager.cache, layer, 27), _rows(chain.cache, layer, 27)
+        for r, n in enumerate(lengths.tolist()):
+            assert rel_err(b[r, :n], a[r, :n]) <= 1e-5
+    assert torch.equal(d1.context_lengths, d2.context_lengths)
+    for r, n in enumerate(lengths.tolist()):
+        assert rel_err(d2.context_k[:, r, :n], d1.context_k[:, r, :n]) <= 1e-5
+        assert rel_err(d2.context_v[:, r, :n], d1.context_v[:, r, :n]) <= 1e-5
+    for s, _ in sessions:
+        s.run(FixedBudget(6))
+    assert eager.tokens()[0].tolist() == chain.tokens()[0].tolist()
+    # the same session again, with other prompts of the same size: the staged inputs are replaced
+    ids2, lengths2 = _ragged(3, 20, seed=33)
+    for s, _ in sessions:
+        s.prefill(ids2, lengths2, max_new=12, eos=[], repetition_penalty=1.3 if penalty else 1.0)
+        s.run(FixedBudget(0))
+    assert list(chain.prefill_plans) == [32] and eager.tokens()[0].tolist() == chain.tokens()[0].tolist()
+
+
+def test_chain_prefill_sizes_and_refusals():
+    """Which prompts take the chain prefill: up to ``chain_prefill`` tokens (the session's prompt
+    size at most), rounded up to size_bucket, and only when that fits one prefill chunk; a bad
+    ``chain_prefill`` is refused by name."""
+    model = target(34)
+    s = GenerationSession(model, None, batch_size=1, max_prompt=48, max_new=4, budgets=(0,), chain_prefill=40)
+    assert s._prefill_ids.shape == (1, 40)
+    assert [s._chain_tokens(T, 8192) for T in (1, 16, 17, 33, 40, 41)] == [16, 16, 32, 40, 40, 0]
+    assert s._chain_tokens(17, 24) == 0 and s._chain_tokens(17, 32) == 32  # the bucket must fit the chunk
+    assert GenerationSession(model, None, batch_size=1, max_prompt=48, max_new=4,
+                             budgets=(0,))._prefill_ids.shape[1] == 0  # the CPU default: never
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="chain_prefill must be an int >= 0"):
+            GenerationSession(model, None, batch_size=1, max_prompt=8, max_new=4, budgets=(0,), chain_prefill=bad)
+    ids, lengths = _ragged(1, 30, seed=35)
+    s = GenerationSession(model, None, batch_size=1, max_prompt=32, max_new=4, budgets=(0,), chain_prefill=16)
+    s.prefill(ids, lengths, max_new=4, eos=[])
+    assert not s.prefill_plans  # 30 tokens > 16: the eager prefill
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_captured_chain_prefill_replays_the_eager_chain_bit_for_bit():
+    """On CUDA the chain prefill is captured once per prompt size and replayed: for two different
+    sets of ragged prompts of one size its cache rows, DFlash context and first tokens are those of
+    the same pass run eagerly, bit for bit (the graph reads the staged prompts, not the ones it was
+    captured with), and within bf16 rounding of the eager prefill's."""
+    from torch_kdtree.models.generation.session import PREFILL_GRAPH_TOKENS
+
+    model = target(36, num_attention_heads=8, num_key_value_heads=8).to("cuda", torch.bfloat16)
+    runs = {}
+    for name, graphs, chain in (("graph", True, None), ("eager chain", False, PREFILL_GRAPH_TOKENS),
+                                ("eager", False, 0)):
+        drafter = tiny_drafter(model, seed=37).to("cuda", torch.bfloat16)
+        s = GenerationSession(model, drafter, batch_size=2, max_prompt=48, max_new=8, budgets=(0, 4),
+                              cuda_graphs=graphs, chain_prefill=chain)
+        for seed in (38, 39):
+            ids, lengths = _ragged(2, 40 - seed % 2 * 5, seed=seed)
+            s.prefill(ids, lengths, max_new=8, eos=[])
+            runs[name, seed] = (s.cache.read(1, 40).float().clone(), drafter.context_k.clone(), s.root.clone(), lengths)
+        runs[name] = s
+    assert ("prefill", 48) in runs["graph"].graphs and not runs["eager"].prefill_plans
+    for seed in (38, 39):
+        (g_rows, g_ctx, g_root, lengths), (e_rows, e_ctx, e_root, _) = runs["graph", seed], runs["eager chain", seed]
+        assert torch.equal(g_root, e_root) and torch.equal(g_ctx, e_ctx)
+        for r, n in enumerate(lengths.tolist()):
+            assert torch.equal(g_rows[r, :n], e_rows[r, :n])
+            assert rel_err(g_rows[r, :n], runs["eager", seed][0][r, :n]) <= 3e-2
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_long_prefill_takes_fused_sdpa_and_agrees_with_the_other_forms(monkeypatch):
     """bf16, 8 heads (K2's per-rank count), 3,000-token prompts after a 100-token prefix, in chunks of

@@ -24,10 +24,9 @@ from transformers.utils import ModelOutput
 
 from .budget import AUTO_BUDGETS, BudgetPlanner, FixedBudget
 from .sampling import SamplingMode
-from .session import GenerationSession
+from .session import GenerationSession, size_bucket as _bucket
 
 MAX_SESSIONS = 4  # sessions (buffers + graphs) kept per model, the least recently used dropped
-BUCKET_MAX_STEP = 1024  # the coarsest rounding of a session's prompt / output size (_bucket)
 # transformers' defaults for fields a GenerationConfig leaves unset (None)
 _DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # Fields whose non-neutral values this loop does not implement: refused by name, never ignored.
@@ -169,16 +168,6 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tu
     gather = (first[:, None] + t).clamp(max=mask.shape[1] - 1)
     right = torch.where(t < lengths[:, None], ids.gather(1, gather), torch.zeros_like(ids))
     return right, lengths
-
-
-def _bucket(n: int) -> int:
-    """A session's prompt or output size for n tokens: a multiple of 16 up to 128, then of an
-    eighth of the next power of two (four sizes an octave, at most 25 % above n) up to 8,192, then
-    of 1,024.  Each size is a session of its own (buffers, a compilation per budget, CUDA graphs),
-    so short requests get few sizes; a long one allocates at most 1,023 tokens above its need
-    (the KV planner's context: torch_kdtree.plan)."""
-    step = min(BUCKET_MAX_STEP, max(16, 1 << max(0, (max(n, 1) - 1).bit_length() - 3)))
-    return max(16, -(-n // step) * step)
 
 
 class DDTreeGenerationMixin(GenerationMixin):

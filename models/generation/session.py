@@ -73,7 +73,23 @@ INDUCTOR_OPTIONS = {"combo": {"combo_kernels": True},
 # read when the session is built) leaves it out.  On the H200 (RESULTS.md run 99) k2_slice's
 # decode step went 0.3608 -> 0.3503 ms and 2p2b's 0.6185 -> 0.6126 ms, same tokens.
 PDL_OPTION = "triton.enable_pdl"
+# Prompts of at most this many tokens prefill as one captured pass on CUDA (GenerationSession._chain_prefill):
+# the eager prefill of the default pair (5 layers, 2 prompts of 60 and 78 tokens) launched 653 kernels in
+# 19 ms of host time for 1.3 ms of GPU time on an H100 (bench/RESULTS.md, run 210), about as long as the
+# 256 decoding steps after it.  Longer prompts keep the eager prefill, whose host time their GPU time outgrows.
+PREFILL_GRAPH_TOKENS = 256
+BUCKET_MAX_STEP = 1024  # the coarsest rounding of a session's prompt / output size (size_bucket)
 PHASES = ("draft", "topk", "build", "verify", "accept", "commit")
+
+
+def size_bucket(n: int) -> int:
+    """A session's prompt or output size for n tokens: a multiple of 16 up to 128, then of an
+    eighth of the next power of two (four sizes an octave, at most 25 % above n) up to 8,192, then
+    of 1,024.  Each size is a session of its own (buffers, a compilation per budget, CUDA graphs),
+    so short requests get few sizes; a long one allocates at most 1,023 tokens above its need
+    (the KV planner's context: torch_kdtree.plan)."""
+    step = min(BUCKET_MAX_STEP, max(16, 1 << max(0, (max(n, 1) - 1).bit_length() - 3)))
+    return max(16, -(-n // step) * step)
 
 
 def inductor_options(options: dict, device: torch.device) -> dict:
@@ -202,12 +218,17 @@ class GenerationSession:
             ``modeling.PREFILL_CHUNK`` = 8192): a long prompt is prefilled chunk by chunk, each
             chunk committed to the cache and the drafter's context before the next, so a
             200k-token prompt needs memory for one chunk (:meth:`prefill`).
+        chain_prefill: prompts of at most this many tokens prefill as one tree pass whose tree
+            is the prompt's chain (:meth:`_chain_prefill`; 0: never), captured in a CUDA graph per
+            prompt size (:func:`size_bucket`) where the steps are; None (default):
+            :data:`PREFILL_GRAPH_TOKENS` in a session with CUDA graphs, else 0.
     """
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
                  compile_step: bool | str | dict = False, sync_every: int = 8,
-                 kv_cache_dtype: str | torch.dtype = "auto", prefill_chunk_size: int | None = None):
+                 kv_cache_dtype: str | torch.dtype = "auto", prefill_chunk_size: int | None = None,
+                 chain_prefill: int | None = None):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
         from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
@@ -281,6 +302,14 @@ class GenerationSession:
         self._timing: list | None = None
         self.graphs: dict = {}
         self.use_graphs = cuda_graphs and dev.type == "cuda"
+        if chain_prefill is None:
+            chain_prefill = PREFILL_GRAPH_TOKENS if self.use_graphs else 0
+        if isinstance(chain_prefill, bool) or not isinstance(chain_prefill, int) or chain_prefill < 0:
+            raise ValueError(f"GenerationSession: chain_prefill must be an int >= 0 (prompt tokens), got {chain_prefill!r}")
+        # a short prompt's inputs at fixed addresses, for its captured prefill (_chain_prefill)
+        self._prefill_ids = torch.zeros(batch_size, min(chain_prefill, max_prompt), dtype=torch.int64, device=dev)
+        self._prefill_lengths = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        self.prefill_plans: dict[int, object] = {}  # the chain prefill's plan per prompt size
         self._gen_max_new, self._gen_eos = 0, []
         self._fns = {b: self._step_fn(b) for b in self.budgets}
         # tree passes over the running requests only (_verify): eager CPU sessions of one process
@@ -504,11 +533,15 @@ class GenerationSession:
     # graphs, running steps
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _capture(self, key, fn) -> None:
+    def _capture(self, key, fn, before=None) -> None:
+        """Capture ``fn`` as ``self.graphs[key]`` after two warm-up runs on a side stream (each
+        after ``before()``, when given: e.g. a reset, so that a prefill's warm-ups start empty)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), value_checks(False):
             for _ in range(2):  # lazy initialisation and compilation happen outside the capture
+                if before is not None:
+                    before()
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -673,7 +706,11 @@ class GenerationSession:
         by the chunk, and the cache, the drafter's context and the first token are those of a
         one-pass prefill (to fp32 rounding).  ``min_new_tokens``: no end-of-sequence token before
         that many new tokens (a session built with ``mode.min_new``); ``repetition_penalty``: on
-        the prompt's and the output's tokens (``mode.penalty``)."""
+        the prompt's and the output's tokens (``mode.penalty``).
+
+        Prompts of at most ``chain_prefill`` tokens (a session with CUDA graphs:
+        :data:`PREFILL_GRAPH_TOKENS`) that fit one chunk go through the target as one tree pass
+        over each prompt's chain instead (:meth:`_chain_prefill`), captured once per prompt size."""
         from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
         R, T = ids.shape
@@ -684,6 +721,19 @@ class GenerationSession:
             raise ValueError(f"generate: at most {MAX_EOS} eos_token_id values, got {len(eos)}")
         chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
         start = self._clock()
+        longest = int(torch.as_tensor(lengths).max()) if R else 0
+        ids = ids[:, : max(longest, 1)].to(self.device)
+        lengths = lengths.to(self.device, torch.int64)
+        tokens = self._chain_tokens(ids.shape[1], chunk)
+        if tokens:  # one pass over the prompt's chain, captured per prompt size (_chain_prefill)
+            self._prefill_ids[:, : ids.shape[1]].copy_(ids)
+            self._prefill_ids[:, ids.shape[1]:].zero_()
+            self._prefill_lengths.copy_(lengths)
+            if tokens not in self.prefill_plans:
+                self.prefill_plans[tokens] = self.target.model.plan_pass(R, tokens, tree=True, cache=self.cache,
+                                                                         dtype=self.target.dtype)
+            if self.use_graphs and ("prefill", tokens) not in self.graphs:
+                self._capture(("prefill", tokens), lambda: self._chain_prefill(tokens), before=self.reset)
         self.reset()
         if sampling is not None:
             if replace(self.params.set(*sampling), min_new=self.mode.min_new, penalty=self.mode.penalty) != self.mode:
@@ -703,9 +753,10 @@ class GenerationSession:
             self.eos_columns[torch.tensor(local, dtype=torch.int64, device=self.device)] = True
         self.max_new_t.fill_(max_new)
         self._gen_max_new, self._gen_eos = max_new, list(eos)
-        longest = int(torch.as_tensor(lengths).max()) if R else 0
-        ids = ids[:, : max(longest, 1)].to(self.device)
-        lengths = lengths.to(self.device, torch.int64)
+        if tokens:
+            self._run(("prefill", tokens), lambda: self._chain_prefill(tokens))
+            self._prefill_marks = (start, self._clock())
+            return
         rows = torch.arange(R, device=self.device)
         last = None
         for c0 in range(0, ids.shape[1], chunk):
@@ -720,9 +771,47 @@ class GenerationSession:
             if self.drafter is not None:
                 self.drafter.append_context(out.taps, n)
             del out
-        if self.mode.penalty:  # the prompts' tokens (right-padded: the columns below each length)
+        self._first_token(last, ids, torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None])
+        self._prefill_marks = (start, self._clock())
+
+    def _chain_tokens(self, T: int, chunk: int) -> int:
+        """The chain prefill's size for a prompt of T tokens (:func:`size_bucket`, within the
+        session's buffers and the prefill chunk), or 0: the prompt takes the eager prefill."""
+        if T > self._prefill_ids.shape[1]:
+            return 0
+        tokens = min(size_bucket(T), self._prefill_ids.shape[1])
+        return tokens if tokens <= chunk else 0
+
+    def _chain_prefill(self, tokens: int) -> None:
+        """Prefill the prompts staged in ``_prefill_ids[:, :tokens]`` (right-padded, lengths
+        ``_prefill_lengths``) as one tree pass whose tree is each prompt's chain: node i is token
+        i at position i and sees nodes 0..i, which is causal attention over the prompt.  The
+        tree pass writes every node's latent at ``lengths + i`` like a step's; only the prompt's
+        own are committed, and the padding nodes after it (seeing the prompt, never seen) sit
+        where the first step writes anyway.  The same kernels as the tree steps and no host reads,
+        so on CUDA it is captured once per prompt size and replayed: one launch instead of the
+        eager prefill's hundreds (:data:`PREFILL_GRAPH_TOKENS`).  Its values are those of the
+        eager prefill to rounding (the absorbed attention form instead of the expanded one)."""
+        ids, n = self._prefill_ids[:, :tokens], self._prefill_lengths
+        t = torch.arange(tokens, device=self.device)
+        visible = (t[:, None] >= t[None, :]).expand(self.R, tokens, tokens)
+        positions = self.cache.lengths.long()[:, None] + t[None, :]
+        out = self.target(ids, positions, self.cache, visible, tap_layers=self.taps, return_logits=False,
+                          plan=self.prefill_plans[tokens])
+        rows = torch.arange(self.R, device=self.device)
+        last = out.last_hidden_state[rows, (n - 1).clamp(min=0)]
+        self.cache.advance(n)
+        if self.drafter is not None:
+            self.drafter.append_context(out.taps, n)
+        self._first_token(last, ids, t[None, :] < n[:, None])
+
+    def _first_token(self, last: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """The first new token of each request from its prompt's last hidden state ``last`` [R, H]
+        (prompts ``ids`` [R, T], their tokens where ``valid``): chosen as every later one, written
+        as the root, the first output and the finished flags."""
+        if self.mode.penalty:  # the prompts' tokens
             self.seen.zero_()
-            self._mark_seen(ids, torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None])
+            self._mark_seen(ids, valid)
         first = self._select(self.target.lm_head(last)[:, None])[:, 0]
         if self.mode.penalty:
             self._mark_seen(first[:, None], torch.ones_like(first[:, None], dtype=torch.bool))
@@ -730,7 +819,6 @@ class GenerationSession:
         self.out[:, 0] = first
         self.out_len.fill_(1)
         self.done.copy_(self._is_eos(first) | (self.max_new_t <= 1))
-        self._prefill_marks = (start, self._clock())
 
     def drafter_is_current(self) -> bool:
         """Whether the drafter still holds the state tensors this session was built on (another

@@ -1,0 +1,90 @@
+"""The prefill of a generate call on a GPU: its time on CUDA events, its kernels and GPU time, and
+the host's synchronisations, for the captured chain prefill and the eager one.
+
+    python tools/profile_prefill.py [--pair DIR] [--batch 2] [--budget 8]
+
+Runs ``generate(max_new_tokens=1)`` on the shipped pair (bf16, CUDA graphs), autoregressive and
+DDTree, each with the chain prefill (a CUDA session's default for prompts of at most
+``PREFILL_GRAPH_TOKENS`` tokens: one graph replay) and with the eager prefill (``PREFILL_GRAPH_TOKENS``
+set to 0 for new sessions), and prints per case: wall ms of the call, the prefill's ms (CUDA
+events), the CUDA kernels, their GPU ms and the runtime calls that launch or synchronise (one
+call under torch.profiler).  bench/RESULTS.md run 210 is the eager prefill's row before the chain.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+
+def _prompts(path, batch: int, device: str):
+    from torch_kdtree.models.pair import default_prompts, load_default_pair, prompt_ids
+
+    target, drafter, tokenizer = load_default_pair(device, torch.bfloat16, path=path)
+    texts = default_prompts(path)
+    prompts = [torch.tensor(prompt_ids(tokenizer, texts[r % len(texts)])) for r in range(batch)]
+    lengths = [p.numel() for p in prompts]
+    ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, -p.numel():] = p
+        mask[r, -p.numel():] = 1
+    return target, drafter, ids.to(device), mask.to(device), lengths
+
+
+def _case(target, kw: dict, repeats: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):  # builds the session, captures its graphs
+        target.generate(**kw)
+    walls, prefills = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = target.generate(**kw)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        prefills.append(out.prefill_seconds)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        target.generate(**kw)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    runtime = collections.Counter(e.name for e in events if e.name.startswith(("cuda", "cuLaunch")))
+    wanted = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+              "cudaStreamSynchronize", "cudaMemcpyAsync")
+    return {"wall_ms": statistics.median(walls) * 1e3, "prefill_ms": statistics.median(prefills) * 1e3,
+            "kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1e3,
+            "runtime": {name: runtime[name] for name in wanted if runtime[name]}}
+
+
+def main(argv=None) -> None:
+    from torch_kdtree.models.generation import session as session_mod
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default=None, help="a pair directory (default: the shipped pair)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=8)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_prefill: needs a CUDA device")
+    target, drafter, ids, mask, lengths = _prompts(args.pair, args.batch, "cuda")
+    print(f"{torch.cuda.get_device_name()}: batch {args.batch}, prompts of {lengths} tokens, "
+          f"PREFILL_GRAPH_TOKENS {session_mod.PREFILL_GRAPH_TOKENS}")
+    base = dict(input_ids=ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None, return_dict_in_generate=True)
+    chain = session_mod.PREFILL_GRAPH_TOKENS
+    for prefill, tokens in (("chain (captured)", chain), ("eager", 0)):
+        session_mod.PREFILL_GRAPH_TOKENS = tokens
+        target.__dict__.pop("_ddtree_sessions", None)  # new sessions: the setting is read when one is built
+        for name, extra in (("AR", {}), ("DDTree", {"drafter": drafter, "tree_budget": args.budget})):
+            row = _case(target, {**base, **extra})
+            print(f"{prefill:17s} {name:6s} wall {row['wall_ms']:.2f} ms, prefill {row['prefill_ms']:.2f} ms, "
+                  f"{row['kernels']} kernels, GPU {row['gpu_ms']:.3f} ms, {row['runtime']}")
+    session_mod.PREFILL_GRAPH_TOKENS = chain
+
+
+if __name__ == "__main__":
+    main()
