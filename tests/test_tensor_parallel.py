@@ -73,7 +73,7 @@ def test_tensor_parallel_model_equals_the_single_process_model(world_reports, in
         assert "all_reduce" in fwd["plan"]
         assert gen["ar_equal"] and gen["dd_equal"] and gen["auto_equal"] and gen["dd_equals_ar"], (r, gen)
         assert gen["drafter_load_equal"] and gen["fp8_equal"] and gen["compiled_dd_equal"] and gen["min_new_equal"] and \
-            gen["penalty_equal"], (r, gen)
+            gen["penalty_equal"] and gen["chain_prefill_equal"], (r, gen)
         assert load["int4"] and load["ar_equal"] and load["dd_equal"] and load["logits_rel_err"] <= 1e-5, (r, load)
         assert choice["argmax_equal"] and choice["sample_equal_plain"] and choice["sample_equal_filtered"] and \
             choice["sample_equal_min_p"], (r, choice)

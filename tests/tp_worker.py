@@ -175,6 +175,19 @@ def scenario_generate(report, mesh, tp_cls, drafter_dir: str):
     want_rp = target.generate(ids, **rp)
     report["penalty_equal"] = bool(torch.equal(tp_target.generate(ids, drafter=tp_drafter, tree_budget=6, **rp),
                                                want_rp)) and not bool(torch.equal(want_rp, want_ar))
+    # the chain prefill (what a CUDA session captures for short prompts), forced on the CPU: each rank's
+    # tree pass over the prompts' chains, then greedy DDTree, gives the single-process tokens
+    from torch_kdtree.models.generation import GenerationSession
+    from torch_kdtree.models.generation.budget import FixedBudget
+    from torch_kdtree.models.generation.generate import _prompts
+
+    right, lengths = _prompts(ids, mask)
+    session = GenerationSession(tp_target, tp_drafter, batch_size=ids.shape[0], max_prompt=ids.shape[1], max_new=10,
+                                budgets=(6,), chain_prefill=64)
+    session.prefill(right, lengths, max_new=10, eos=[])
+    session.run(FixedBudget(6))
+    report["chain_prefill_equal"] = bool(session.prefill_plans) and \
+        session.tokens()[0][:, :10].tolist() == want_dd[:, ids.shape[1]:].tolist()
 
 
 def scenario_int4_load(report, mesh, tp_cls, checkpoint: str):
