@@ -298,6 +298,9 @@ def test_chain_prefill_sizes_and_refusals():
     s = GenerationSession(model, None, batch_size=1, max_prompt=32, max_new=4, budgets=(0,), chain_prefill=16)
     s.prefill(ids, lengths, max_new=4, eos=[])
     assert not s.prefill_plans  # 30 tokens > 16: the eager prefill
+    for bad in (torch.tensor([31]), torch.tensor([-1]), torch.tensor([3, 4])):
+        with pytest.raises(ValueError, match=r"lengths must be \[R = 1\] values in \[0, T = 30\]"):
+            s.prefill(ids, bad, max_new=4, eos=[])
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

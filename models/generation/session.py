@@ -721,7 +721,11 @@ class GenerationSession:
             raise ValueError(f"generate: at most {MAX_EOS} eos_token_id values, got {len(eos)}")
         chunk = self.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk(prefill_chunk_size)
         start = self._clock()
-        longest = int(torch.as_tensor(lengths).max()) if R else 0
+        counts = torch.as_tensor(lengths)  # one host read: the chain prefill's indices need no device checks
+        if counts.shape != (R,) or (R and not 0 <= int(counts.min()) <= int(counts.max()) <= T):
+            raise ValueError(f"GenerationSession.prefill: lengths must be [R = {R}] values in [0, T = {T}], "
+                             f"got {counts.tolist()}")
+        longest = int(counts.max()) if R else 0
         ids = ids[:, : max(longest, 1)].to(self.device)
         lengths = lengths.to(self.device, torch.int64)
         tokens = self._chain_tokens(ids.shape[1], chunk)
