@@ -331,3 +331,32 @@ def test_a_drafter_right_now_and_then_costs_under_3_percent_in_every_seed(times,
     worst = min(simulate(auto(times), times, block, R=R, seed=s, draw=lambda rng: float(rng.random() < q))
                 for s in range(40))
     assert worst >= 0.97, worst
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_session_run_reads_counterfactuals_and_broadcasts_only_for_an_adaptive_policy(adaptive):
+    """A fixed budget (FixedBudget.adaptive is False) is handed no counterfactual accept lengths --
+    two device reads a look saved -- and under tensor parallelism its choice is not broadcast (every
+    rank knows it); the planner gets them every look, rank 0's choice and segment in one broadcast."""
+    left, reads, broadcasts = [10], [], []
+
+    def step(budget):
+        left[0] -= 1
+
+    def broadcast(obj):
+        broadcasts.append(obj)
+        return obj
+
+    fake = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), sync_every=4, max_new=64, _timing=None,
+                                 tp=types.SimpleNamespace(broadcast_object=broadcast), remaining=lambda: left[0],
+                                 step=step, _timed_seconds=lambda: 1.0,
+                                 take_counterfactuals=lambda: reads.append(1) or {4: (4.0, 2.0)})
+    policy = BudgetPlanner((0, 4), {0: 1.0, 4: 2.0}) if adaptive else FixedBudget(4)
+    seen, observe = [], policy.observe
+    policy.observe = lambda budget, accepted, *rest: seen.append(accepted) or observe(budget, accepted, *rest)
+    run = GenerationSession.run(fake, policy)
+    looks = len(seen)  # FixedBudget: 4 + 4 + 2 steps; the planner explores a step at a time
+    assert len(run["budgets"]) == 10 and (looks >= 3 if adaptive else looks == 3)
+    assert len(reads) == (looks if adaptive else 0) and len(broadcasts) == (looks if adaptive else 0)
+    assert all(a == ({4: (4.0, 2.0)} if adaptive else {}) for a in seen)
+    assert all(isinstance(b, tuple) and len(b) == 2 for b in broadcasts)

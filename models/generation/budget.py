@@ -50,6 +50,7 @@ class FixedBudget:
     """One budget for the whole generation."""
 
     segment_steps = None  # the session's own segment length
+    adaptive = False  # it reads no counterfactual accept lengths, and every rank knows its choice
 
     def __init__(self, budget: int):
         self.current = budget
@@ -78,6 +79,8 @@ class BudgetPlanner:
     ``current`` is the budget of the next segment and ``segment_steps`` its length (None: the
     session's ``sync_every``).
     """
+
+    adaptive = True  # the session hands it the counterfactual accept lengths; rank 0's choice is everyone's
 
     def __init__(self, candidates, step_seconds: dict[int, float], *, share: float = 0.02, max_backoff: int = 1,
                  max_explore_steps: int = 16, z: float = 1.5, half_life: float = 16.0,

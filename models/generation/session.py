@@ -667,11 +667,15 @@ class GenerationSession:
             remaining = self.remaining()
             seconds = self._timed_seconds() if not profile else sum(r["total_ms"] for r in rows[-steps:]) / 1e3
             step_seconds += seconds
-            policy.observe(budget, self.take_counterfactuals(), None if profile else seconds / steps, steps)
-            if self.tp is not None:  # every rank runs the same steps: rank 0's choice (its own timings) for all
-                policy.current = self.tp.broadcast_object(policy.current)
+            # a fixed budget needs no counterfactuals (two device reads a look saved) and no broadcast
+            adaptive = getattr(policy, "adaptive", True)
+            policy.observe(budget, self.take_counterfactuals() if adaptive else {},
+                           None if profile else seconds / steps, steps)
+            if self.tp is not None and adaptive:  # every rank runs the same steps: rank 0's choice (its timings)
+                choice = self.tp.broadcast_object((policy.current, getattr(policy, "segment_steps", None)))
+                policy.current = choice[0]
                 if hasattr(policy, "segment_steps"):
-                    policy.segment_steps = self.tp.broadcast_object(policy.segment_steps)
+                    policy.segment_steps = choice[1]
             if on_poll is not None:
                 on_poll()
         return {"budgets": budgets, "profile": rows, "step_seconds": step_seconds}
