@@ -137,6 +137,29 @@ def test_a_long_prompt_builds_no_mask_on_the_cpu(monkeypatch):
     assert calls == [("_attend_causal", 24)] * 2 + [("_attend_blocks", 24)] * 2
 
 
+def _assert_same_prefill(sessions, lengths, layers: int, rows_rel_err: float) -> None:
+    """Two (session, DFlash drafter) pairs prefilled with the same prompts: the same lengths and
+    first token, cache rows within ``rows_rel_err``, the drafter's context K/V to fp32 rounding;
+    greedy generation at B = 6 afterwards emits the same tokens."""
+    from torch_kdtree.models.generation.budget import FixedBudget
+
+    (one, d1), (two, d2) = sessions
+    assert torch.equal(one.cache.lengths, two.cache.lengths) and one.cache.lengths.tolist() == lengths.tolist()
+    assert torch.equal(one.root, two.root)
+    T = int(lengths.max())
+    for layer in range(layers):
+        a, b = _rows(one.cache, layer, T), _rows(two.cache, layer, T)
+        for r, n in enumerate(lengths.tolist()):
+            assert rel_err(b[r, :n], a[r, :n]) <= rows_rel_err
+    assert torch.equal(d1.context_lengths, d2.context_lengths)
+    for r, n in enumerate(lengths.tolist()):
+        assert rel_err(d2.context_k[:, r, :n], d1.context_k[:, r, :n]) <= 1e-5
+        assert rel_err(d2.context_v[:, r, :n], d1.context_v[:, r, :n]) <= 1e-5
+    for s, _ in sessions:
+        s.run(FixedBudget(6))
+    assert one.tokens()[0].tolist() == two.tokens()[0].tolist()
+
+
 def test_session_prefill_in_chunks_equals_one_pass():
     """GenerationSession.prefill in chunks of 7 (each committed to the cache and the drafter's context
     before the next) leaves the cache rows, lengths, the DFlash drafter's context K/V and the first
@@ -150,22 +173,7 @@ def test_session_prefill_in_chunks_equals_one_pass():
                               prefill_chunk_size=chunk)
         s.prefill(ids, lengths, max_new=12, eos=[])
         sessions.append((s, drafter))
-    (one, d1), (chunked, d2) = sessions
-    assert torch.equal(one.cache.lengths, chunked.cache.lengths) and one.cache.lengths.tolist() == lengths.tolist()
-    assert torch.equal(one.root, chunked.root)
-    for layer in range(2):
-        a, b = _rows(one.cache, layer, 30), _rows(chunked.cache, layer, 30)
-        for r, n in enumerate(lengths.tolist()):
-            assert rel_err(b[r, :n], a[r, :n]) <= 1e-5
-    assert torch.equal(d1.context_lengths, d2.context_lengths)
-    for r, n in enumerate(lengths.tolist()):
-        assert rel_err(d2.context_k[:, r, :n], d1.context_k[:, r, :n]) <= 1e-5
-        assert rel_err(d2.context_v[:, r, :n], d1.context_v[:, r, :n]) <= 1e-5
-    from torch_kdtree.models.generation.budget import FixedBudget
-
-    for s, _ in sessions:
-        s.run(FixedBudget(6))
-    assert one.tokens()[0].tolist() == chunked.tokens()[0].tolist()
+    _assert_same_prefill(sessions, lengths, 2, rows_rel_err=1e-5)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
@@ -256,22 +264,11 @@ def test_session_chain_prefill_equals_the_eager_prefill(penalty, int4, kv, oracl
                               chain_prefill=chain, kv_cache_dtype=kv)
         s.prefill(ids, lengths, max_new=12, eos=[], repetition_penalty=1.3 if penalty else 1.0)
         sessions.append((s, dflash))
-    (eager, d1), (chain, d2) = sessions
+    (eager, _), (chain, _) = sessions
     assert not eager.prefill_plans and list(chain.prefill_plans) == [32]  # size_bucket(27)
-    assert torch.equal(eager.cache.lengths, chain.cache.lengths) and chain.cache.lengths.tolist() == lengths.tolist()
-    assert torch.equal(eager.root, chain.root) and torch.equal(eager.out[:, :1], chain.out[:, :1])
-    assert torch.equal(eager.seen[:, :-1], chain.seen[:, :-1]) and torch.equal(eager.done, chain.done)  # less the sink
-    for layer in range(len(model.model.layers)):
-        a, b = _rows(eager.cache, layer, 27), _rows(chain.cache, layer, 27)
-        for r, n in enumerate(lengths.tolist()):
-            assert rel_err(b[r, :n], a[r, :n]) <= (1 / 16 if kv == "fp8" else 1e-5)
-    assert torch.equal(d1.context_lengths, d2.context_lengths)
-    for r, n in enumerate(lengths.tolist()):
-        assert rel_err(d2.context_k[:, r, :n], d1.context_k[:, r, :n]) <= 1e-5
-        assert rel_err(d2.context_v[:, r, :n], d1.context_v[:, r, :n]) <= 1e-5
-    for s, _ in sessions:
-        s.run(FixedBudget(6))
-    assert eager.tokens()[0].tolist() == chain.tokens()[0].tolist()
+    assert torch.equal(eager.out[:, :1], chain.out[:, :1]) and torch.equal(eager.done, chain.done)
+    assert torch.equal(eager.seen[:, :-1], chain.seen[:, :-1])  # less the sink column
+    _assert_same_prefill(sessions, lengths, len(model.model.layers), rows_rel_err=1 / 16 if kv == "fp8" else 1e-5)
     # the same session again, with other prompts of the same size: the staged inputs are replaced
     ids2, lengths2 = _ragged(3, 20, seed=33)
     for s, _ in sessions:
