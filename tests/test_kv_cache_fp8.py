@@ -361,11 +361,12 @@ def _greedy_decode(model, prompt, new: int, kv_cache_dtype: str, tokens=None):
     the argmax (``tokens`` None) or ``tokens`` [R, new - 1]; the logits of the ``new`` positions that
     each predict the next token [R, new, V] and the tokens fed [R, new - 1]."""
     R, P = prompt.shape
-    cache = KimiK2Cache.for_model(model, R, P + new, page_size=64, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
+    cache = KimiK2Cache.for_model(model, R, P + new, page_size=64, dtype=model.dtype, device=prompt.device,
+                                  kv_cache_dtype=kv_cache_dtype)
     last = model(prompt, cache=cache).logits[:, -1]
     cache.advance(P)
     plan = model.model.plan_pass(R, 1, tree=True, cache=cache)
-    visible = torch.ones(R, 1, 1, dtype=torch.bool)
+    visible = torch.ones(R, 1, 1, dtype=torch.bool, device=prompt.device)
     logits, fed = [last], []
     for t in range(new - 1):
         token = last.argmax(-1) if tokens is None else tokens[:, t]
