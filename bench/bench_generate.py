@@ -206,6 +206,29 @@ def test_step_time_against_tree_budget(benchmark, name, run_options):
 
 
 @pytest.mark.parametrize("name", _configs())
+def test_ar_step_with_deferred_context_rows(benchmark, name, run_options):
+    """What the AR step of a drafter session pays for keeping the drafter's context (its taps stored,
+    and once per ``defer_rows`` steps the flush that appends them, timed with the step) at
+    defer_rows 16 (DEFER_ROWS) and 64, against a session without a drafter: each over the same 128
+    AR steps after the prompt.  The A/B that would move DEFER_ROWS (issue 44's random-drafter row:
+    an auto run on a useless drafter is mostly these steps)."""
+    model = target(name)
+    COMPILE, STEPS = run_options.compile_step, 128
+    ms = {}
+    for rows in (None, 16, 64):  # None: no drafter
+        session = GenerationSession(model, drafter(name) if rows else None, batch_size=1, max_prompt=PROMPT,
+                                    max_new=512, budgets=(0, 16) if rows else (0,), compile_step=COMPILE,
+                                    defer_rows=rows)
+        session.prefill(prompt(name), torch.tensor([PROMPT]), max_new=512, eos=[])
+        session.step(0)
+        ms[rows] = session.time_steps(0, STEPS) * 1e3
+        del session
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    record(benchmark, op="ar_step_defer_rows", config=name, steps=STEPS, plain_ms=ms[None], defer16_ms=ms[16],
+           defer64_ms=ms[64], ratio16=ms[16] / ms[None], ratio64=ms[64] / ms[None])
+
+
+@pytest.mark.parametrize("name", _configs())
 def test_step_phase_profile(benchmark, name):
     """profile=True: eager steps (no graph: launch overhead included) with CUDA events between
     the phases; mean ms per phase over 12 steps at B = 16."""

@@ -1394,16 +1394,19 @@ def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_l
     assert _checked_route_logits_calls(codes, "moe_gemv"), "no compiled moe_gemv call with route_logits"
 
 
-def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(monkeypatch):
+@pytest.mark.parametrize("defer_rows", [None, 5])
+def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(monkeypatch, defer_rows):
     """In a session with a drafter, an AR step stores its taps; they reach the drafter's context in
-    one append before the next tree step, or when DEFER_ROWS are stored.  The context is then what
-    one append per AR step gives (fp32 rounding: rows of one fc call instead of one each), with the
-    same lengths, and the generated tokens equal autoregressive decoding's."""
+    one append before the next tree step, or when ``defer_rows`` (default DEFER_ROWS) are stored.
+    The context is then what one append per AR step gives (fp32 rounding: rows of one fc call
+    instead of one each), with the same lengths, and the generated tokens equal autoregressive
+    decoding's.  A bad ``defer_rows`` is refused by name."""
     import copy
 
     from torch_kdtree.models.generation import GenerationSession
     from torch_kdtree.models.generation.session import DEFER_ROWS
 
+    rows = defer_rows or DEFER_ROWS
     model = target(53)
     ids, mask = prompts(2, 53, left=False)
     base = make_drafter("random_dflash", model, 3, 4)
@@ -1414,22 +1417,23 @@ def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(m
         append = drafter.append_context
         monkeypatch.setattr(drafter, "append_context", lambda taps, *a, **k: calls.append((defer, taps.shape[1])) or
                             append(taps, *a, **k))
-        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4))
-        assert session.defer == DEFER_ROWS
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4),
+                                    defer_rows=defer_rows)
+        assert session.defer == rows
         if not defer:
             session.defer = 0  # the AR step then appends each step's row itself
         session.prefill(ids, mask.sum(1), max_new=40, eos=[])
-        for _ in range(DEFER_ROWS + 3):
+        for _ in range(rows + 3):
             session.step(0)
         session.step(4)
         states.append((drafter.context_lengths.clone(), drafter.context_k.clone(), drafter.context_v.clone(),
                        session.tokens()))
     # deferred: the prompt, one flush when the store filled, one before the tree step, the tree's
     # commit (taps of its B + 1 = 5 nodes, the accepted ones gathered inside)
-    assert [a for d, a in calls if d] == [ids.shape[1], DEFER_ROWS, DEFER_ROWS, 5]
-    assert sum(1 for d, _ in calls if not d) == 1 + DEFER_ROWS + 3 + 1
+    assert [a for d, a in calls if d] == [ids.shape[1], rows, rows, 5]
+    assert sum(1 for d, _ in calls if not d) == 1 + rows + 3 + 1
     (n0, k0, v0, t0), (n1, k1, v1, t1) = states
-    assert torch.equal(n0, n1) and int(n0.min()) >= DEFER_ROWS + 3
+    assert torch.equal(n0, n1) and int(n0.min()) >= rows + 3
     for r, n in enumerate(n0.tolist()):
         torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
@@ -1437,3 +1441,6 @@ def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(m
     n = min(t0[1])
     ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
     assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="defer_rows must be an int >= 1"):
+            GenerationSession(model, base, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4), defer_rows=bad)

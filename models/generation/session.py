@@ -222,13 +222,15 @@ class GenerationSession:
             is the prompt's chain (:meth:`_chain_prefill`; 0: never), captured in a CUDA graph per
             prompt size (:func:`size_bucket`) where the steps are; None (default):
             :data:`PREFILL_GRAPH_TOKENS` in a session with CUDA graphs, else 0.
+        defer_rows: AR steps whose taps are stored before the drafter's context projection runs
+            for them in one batch (None: :data:`DEFER_ROWS`; a session with AR and tree budgets).
     """
 
     def __init__(self, target, drafter, *, batch_size: int, max_prompt: int, max_new: int, budgets,
                  mode: SamplingMode = SamplingMode(), page_size: int = 64, cuda_graphs: bool = True,
                  compile_step: bool | str | dict = False, sync_every: int = 8,
                  kv_cache_dtype: str | torch.dtype = "auto", prefill_chunk_size: int | None = None,
-                 chain_prefill: int | None = None):
+                 chain_prefill: int | None = None, defer_rows: int | None = None):
         from torch_kdtree.models.kimi_k2 import KimiK2Cache
         from torch_kdtree.models.kimi_k2.modeling import prefill_chunk
 
@@ -316,7 +318,11 @@ class GenerationSession:
         self._compact = dev.type == "cpu" and not compile_step and self.tp is None
         self._row_plans: dict = {}
         # the AR step's taps, kept for the drafter until a tree step needs its context (_flush)
-        self.defer = DEFER_ROWS if drafter is not None and self.taps and 0 in self.budgets and any(self.budgets) \
+        if defer_rows is None:
+            defer_rows = DEFER_ROWS
+        if isinstance(defer_rows, bool) or not isinstance(defer_rows, int) or defer_rows < 1:
+            raise ValueError(f"GenerationSession: defer_rows must be an int >= 1 (AR steps), got {defer_rows!r}")
+        self.defer = defer_rows if drafter is not None and self.taps and 0 in self.budgets and any(self.budgets) \
             else 0
         self._deferred = 0  # AR steps since the last flush (host count: no device read)
         if self.defer:
