@@ -1,7 +1,7 @@
 """The prefill of a generate call on a GPU: its time on CUDA events, its kernels and GPU time, and
 the host's synchronisations, for the captured chain prefill and the eager one.
 
-    python tools/profile_prefill.py [--pair DIR] [--batch 2] [--budget 8]
+    python tools/profile_prefill.py [--pair DIR] [--batch 2] [--budget 8] [--lengths 256,512,1024]
 
 Runs ``generate(max_new_tokens=1)`` on the shipped pair (bf16, CUDA graphs), autoregressive and
 DDTree, each with the chain prefill (a CUDA session's default for prompts of at most
@@ -9,6 +9,9 @@ DDTree, each with the chain prefill (a CUDA session's default for prompts of at 
 set to 0 for new sessions), and prints per case: wall ms of the call, the prefill's ms (CUDA
 events), the CUDA kernels, their GPU ms and the runtime calls that launch or synchronise (one
 call under torch.profiler).  bench/RESULTS.md run 210 is the eager prefill's row before the chain.
+``--lengths``: also prompts of these many tokens (the held-out prompts' tokens repeated), DDTree only,
+the chain prefill allowed up to each length: where the chain's absorbed attention over the prompt
+starts to cost more than the eager prefill's host time (what ``PREFILL_GRAPH_TOKENS`` should be).
 """
 from __future__ import annotations
 
@@ -20,23 +23,32 @@ import time
 import torch
 
 
-def _prompts(path, batch: int, device: str):
-    from torch_kdtree.models.pair import default_prompts, load_default_pair, prompt_ids
+def _pair(path, device: str):
+    from torch_kdtree.models.pair import load_default_pair
 
-    target, drafter, tokenizer = load_default_pair(device, torch.bfloat16, path=path)
+    return load_default_pair(device, torch.bfloat16, path=path)
+
+
+def _prompts(path, tokenizer, batch: int, device: str, length: int | None = None):
+    """Left-padded held-out prompts (ids, mask) and their lengths; ``length``: each prompt's tokens
+    repeated to exactly that many."""
+    from torch_kdtree.models.pair import default_prompts, prompt_ids
+
     texts = default_prompts(path)
     prompts = [torch.tensor(prompt_ids(tokenizer, texts[r % len(texts)])) for r in range(batch)]
+    if length is not None:
+        prompts = [p.repeat(-(-length // p.numel()))[:length] for p in prompts]
     lengths = [p.numel() for p in prompts]
     ids = torch.zeros(batch, max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):
         ids[r, -p.numel():] = p
         mask[r, -p.numel():] = 1
-    return target, drafter, ids.to(device), mask.to(device), lengths
+    return ids.to(device), mask.to(device), lengths
 
 
-def _case(target, kw: dict, repeats: int = 5) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+def _case(target, kw: dict, repeats: int = 5, profile: bool = True) -> dict:
+    from torch.profiler import ProfilerActivity, profile as profiler
 
     for _ in range(2):  # builds the session, captures its graphs
         target.generate(**kw)
@@ -48,7 +60,10 @@ def _case(target, kw: dict, repeats: int = 5) -> dict:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
         prefills.append(out.prefill_seconds)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    row = {"wall_ms": statistics.median(walls) * 1e3, "prefill_ms": statistics.median(prefills) * 1e3}
+    if not profile:
+        return row
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         target.generate(**kw)
         torch.cuda.synchronize()
     events = prof.events()
@@ -56,9 +71,12 @@ def _case(target, kw: dict, repeats: int = 5) -> dict:
     runtime = collections.Counter(e.name for e in events if e.name.startswith(("cuda", "cuLaunch")))
     wanted = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
               "cudaStreamSynchronize", "cudaMemcpyAsync")
-    return {"wall_ms": statistics.median(walls) * 1e3, "prefill_ms": statistics.median(prefills) * 1e3,
-            "kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1e3,
+    return {**row, "kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1e3,
             "runtime": {name: runtime[name] for name in wanted if runtime[name]}}
+
+
+def _fresh(target) -> None:
+    target.__dict__.pop("_ddtree_sessions", None)  # new sessions: PREFILL_GRAPH_TOKENS is read when one is built
 
 
 def main(argv=None) -> None:
@@ -68,22 +86,37 @@ def main(argv=None) -> None:
     ap.add_argument("--pair", default=None, help="a pair directory (default: the shipped pair)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--lengths", default="", help="comma-separated prompt lengths to time as well (e.g. 256,512,1024)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_prefill: needs a CUDA device")
-    target, drafter, ids, mask, lengths = _prompts(args.pair, args.batch, "cuda")
+    target, drafter, tokenizer = _pair(args.pair, "cuda")
+    ids, mask, lengths = _prompts(args.pair, tokenizer, args.batch, "cuda")
+    default = session_mod.PREFILL_GRAPH_TOKENS
     print(f"{torch.cuda.get_device_name()}: batch {args.batch}, prompts of {lengths} tokens, "
-          f"PREFILL_GRAPH_TOKENS {session_mod.PREFILL_GRAPH_TOKENS}")
+          f"PREFILL_GRAPH_TOKENS {default}")
     base = dict(input_ids=ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None, return_dict_in_generate=True)
-    chain = session_mod.PREFILL_GRAPH_TOKENS
-    for prefill, tokens in (("chain (captured)", chain), ("eager", 0)):
-        session_mod.PREFILL_GRAPH_TOKENS = tokens
-        target.__dict__.pop("_ddtree_sessions", None)  # new sessions: the setting is read when one is built
-        for name, extra in (("AR", {}), ("DDTree", {"drafter": drafter, "tree_budget": args.budget})):
-            row = _case(target, {**base, **extra})
-            print(f"{prefill:17s} {name:6s} wall {row['wall_ms']:.2f} ms, prefill {row['prefill_ms']:.2f} ms, "
-                  f"{row['kernels']} kernels, GPU {row['gpu_ms']:.3f} ms, {row['runtime']}")
-    session_mod.PREFILL_GRAPH_TOKENS = chain
+    try:
+        for prefill, tokens in (("chain (captured)", default), ("eager", 0)):
+            session_mod.PREFILL_GRAPH_TOKENS = tokens
+            _fresh(target)
+            for name, extra in (("AR", {}), ("DDTree", {"drafter": drafter, "tree_budget": args.budget})):
+                row = _case(target, {**base, **extra})
+                print(f"{prefill:17s} {name:6s} wall {row['wall_ms']:.2f} ms, prefill {row['prefill_ms']:.2f} ms, "
+                      f"{row['kernels']} kernels, GPU {row['gpu_ms']:.3f} ms, {row['runtime']}")
+        for length in [int(x) for x in args.lengths.split(",") if x]:
+            ids, mask, _ = _prompts(args.pair, tokenizer, args.batch, "cuda", length)
+            kw = dict(base, input_ids=ids, attention_mask=mask, drafter=drafter, tree_budget=args.budget)
+            times = {}
+            for prefill, tokens in (("chain", length), ("eager", 0)):
+                session_mod.PREFILL_GRAPH_TOKENS = tokens
+                _fresh(target)
+                times[prefill] = _case(target, kw, profile=False)["prefill_ms"]
+            print(f"prompts of {length} tokens (batch {args.batch}), DDTree: prefill chain {times['chain']:.2f} ms, "
+                  f"eager {times['eager']:.2f} ms: chain / eager {times['chain'] / times['eager']:.2f}")
+    finally:
+        session_mod.PREFILL_GRAPH_TOKENS = default
+        _fresh(target)
 
 
 if __name__ == "__main__":
