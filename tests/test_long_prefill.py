@@ -371,3 +371,20 @@ def test_cuda_long_prefill_takes_fused_sdpa_and_agrees_with_the_other_forms(monk
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(out.last_hidden_state).all() and peak < 1.0e9, peak
+
+
+def test_prefill_input_lengths_are_checked_while_value_checks_are_on():
+    """input_lengths outside [0, T] or of another shape are refused by name; the range check reads
+    the device, so with the value checks off (a session's prefill on CUDA, like its steps) only the
+    shape is checked."""
+    from torch_kdtree.ops import value_checks
+
+    model = target(40)
+    ids = torch.randint(3, 128, (2, 6))
+    for bad in (torch.tensor([7, 2]), torch.tensor([-1, 2]), torch.tensor([6])):
+        with pytest.raises(ValueError, match=r"input_lengths must be \[R = 2\] values in \[0, T = 6\]"):
+            model(ids, input_lengths=bad)
+    with value_checks(False):
+        with pytest.raises(ValueError, match="input_lengths must be"):
+            model(ids, input_lengths=torch.tensor([6]))
+        assert model(ids, input_lengths=torch.tensor([6, 3])).logits.shape == (2, 6, 128)

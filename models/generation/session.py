@@ -773,18 +773,22 @@ class GenerationSession:
             return
         rows = torch.arange(R, device=self.device)
         last = None
-        for c0 in range(0, ids.shape[1], chunk):
-            part = ids[:, c0 : c0 + chunk]
-            n = (lengths - c0).clamp(0, part.shape[1])
-            out = self.target(part, cache=self.cache, input_lengths=n, tap_layers=self.taps, return_logits=False,
-                              prefill_chunk_size=chunk)
-            hidden = out.last_hidden_state[rows, (lengths - 1 - c0).clamp(0, part.shape[1] - 1)]
-            ends_here = (lengths - 1 >= c0) & (lengths - 1 < c0 + part.shape[1])
-            last = hidden if last is None else torch.where(ends_here[:, None], hidden, last)
-            self.cache.advance(n)
-            if self.drafter is not None:
-                self.drafter.append_context(out.taps, n)
-            del out
+        # on CUDA without the ops' value checks, as the steps run (_run): each is a host sync, and the
+        # session sized the cache and checked the lengths itself (the eager prefill keeps the syncs
+        # its shapes need: the valid tokens' slots and the longest key count)
+        with value_checks(False) if self.device.type == "cuda" else nullcontext():
+            for c0 in range(0, ids.shape[1], chunk):
+                part = ids[:, c0 : c0 + chunk]
+                n = (lengths - c0).clamp(0, part.shape[1])
+                out = self.target(part, cache=self.cache, input_lengths=n, tap_layers=self.taps,
+                                  return_logits=False, prefill_chunk_size=chunk)
+                hidden = out.last_hidden_state[rows, (lengths - 1 - c0).clamp(0, part.shape[1] - 1)]
+                ends_here = (lengths - 1 >= c0) & (lengths - 1 < c0 + part.shape[1])
+                last = hidden if last is None else torch.where(ends_here[:, None], hidden, last)
+                self.cache.advance(n)
+                if self.drafter is not None:
+                    self.drafter.append_context(out.taps, n)
+                del out
         self._first_token(last, ids, torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None])
         self._prefill_marks = (start, self._clock())
 

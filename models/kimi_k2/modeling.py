@@ -31,6 +31,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from torch_kdtree.ops._checks import value_checks_active
+
 from ..generation.generate import DDTreeGenerationMixin  # generate(): DDTree / autoregressive loop
 
 from . import fused
@@ -648,7 +650,8 @@ def _input_lengths(input_lengths, R: int, T: int, device) -> torch.Tensor:
     if input_lengths is None:
         return torch.full((R,), T, dtype=torch.long, device=device)
     input_lengths = torch.as_tensor(input_lengths, device=device).long()
-    if input_lengths.shape != (R,) or (input_lengths < 0).any() or (input_lengths > T).any():
+    if input_lengths.shape != (R,) or (value_checks_active(input_lengths)
+                                       and bool(((input_lengths < 0) | (input_lengths > T)).any())):
         raise ValueError(f"KimiK2Model: input_lengths must be [R = {R}] values in [0, T = {T}]")
     return input_lengths
 
