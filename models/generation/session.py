@@ -292,8 +292,8 @@ class GenerationSession:
         self.penalty_t = torch.ones(batch_size, dtype=torch.float32, device=dev)
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
-        self.cf_sum = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
-        self.cf_count = torch.zeros(len(self.budgets), dtype=torch.float32, device=dev)
+        # counterfactual accept lengths per budget: sums and request-steps, one buffer (one read a look)
+        self.cf = torch.zeros(2, len(self.budgets), dtype=torch.float32, device=dev)
         self._ones = torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev)
         self._topk_kernel = _has_device_kernel("kdtree::draft_topk", dev)
         # The drafter's state tensors as the graphs saw them; holding them keeps them alive (a
@@ -529,8 +529,8 @@ class GenerationSession:
         for i, b in enumerate(self.budgets):  # counterfactual accept lengths (budget.py)
             if 0 < b <= budget:
                 within = ((indices >= 0) & (indices <= b)).sum(1).float()
-                self.cf_sum[i] += (within * active).sum()
-                self.cf_count[i] += n_active
+                self.cf[0, i] += (within * active).sum()
+                self.cf[1, i] += n_active
 
     def _step_fn(self, budget: int):
         return self._ar_step if budget == 0 else (lambda: self._ddtree_step(budget))
@@ -697,8 +697,7 @@ class GenerationSession:
         if self.defer:
             self.pending_n.zero_()
         self._deferred = 0
-        for t in (self.root, self.out, self.out_len, self.max_new_t, self.step_no, self.accept_log, self.cf_sum,
-                  self.cf_count):
+        for t in (self.root, self.out, self.out_len, self.max_new_t, self.step_no, self.accept_log, self.cf):
             t.zero_()
         self.done.fill_(True)
 
@@ -864,9 +863,8 @@ class GenerationSession:
 
     def take_counterfactuals(self) -> dict[int, tuple[float, float]]:
         """The accumulated (sum, count) of counterfactual accept lengths per budget; resets them."""
-        sums, counts = self.cf_sum.tolist(), self.cf_count.tolist()
-        self.cf_sum.zero_()
-        self.cf_count.zero_()
+        sums, counts = self.cf.tolist()
+        self.cf.zero_()
         return {b: (s, c) for b, s, c in zip(self.budgets, sums, counts)}
 
 
