@@ -555,11 +555,17 @@ class GenerationSession:
             fn()
         self.graphs[key] = graph
 
+    def _unchecked(self):
+        """The context eager work of this session runs in: on CUDA without the ops' value checks
+        (each a host sync; the session sized its buffers and checked its inputs), as in a capture;
+        on the CPU, where they cost no sync, with them."""
+        return value_checks(False) if self.device.type == "cuda" else nullcontext()
+
     def _run(self, key, fn) -> None:
         if self.use_graphs and self._timer is None:
             self.graphs[key].replay()
             return
-        with value_checks(False) if self.device.type == "cuda" else nullcontext():
+        with self._unchecked():
             fn()
 
     @torch.no_grad()
@@ -772,10 +778,9 @@ class GenerationSession:
             return
         rows = torch.arange(R, device=self.device)
         last = None
-        # on CUDA without the ops' value checks, as the steps run (_run): each is a host sync, and the
-        # session sized the cache and checked the lengths itself (the eager prefill keeps the syncs
-        # its shapes need: the valid tokens' slots and the longest key count)
-        with value_checks(False) if self.device.type == "cuda" else nullcontext():
+        # as the steps run (_run); the eager prefill keeps the syncs its shapes need: the valid
+        # tokens' slots and the longest key count
+        with self._unchecked():
             for c0 in range(0, ids.shape[1], chunk):
                 part = ids[:, c0 : c0 + chunk]
                 n = (lengths - c0).clamp(0, part.shape[1])
