@@ -318,12 +318,16 @@ def test_cuda_captured_chain_prefill_replays_the_eager_chain_bit_for_bit():
         for seed in (38, 39):
             ids, lengths = _ragged(2, 40 - seed % 2 * 5, seed=seed)
             s.prefill(ids, lengths, max_new=8, eos=[])
-            runs[name, seed] = (s.cache.read(1, 40).float().clone(), drafter.context_k.clone(), s.root.clone(), lengths)
+            ctx = [drafter.context_k[:, r, :n].clone() for r, n in enumerate(drafter.context_lengths.tolist())]
+            runs[name, seed] = (s.cache.read(1, 40).float().clone(), ctx, s.root.clone(), lengths)
         runs[name] = s
     assert ("prefill", 48) in runs["graph"].graphs and not runs["eager"].prefill_plans
     for seed in (38, 39):
         (g_rows, g_ctx, g_root, lengths), (e_rows, e_ctx, e_root, _) = runs["graph", seed], runs["eager chain", seed]
-        assert torch.equal(g_root, e_root) and torch.equal(g_ctx, e_ctx)
+        assert torch.equal(g_root, e_root) and len(g_ctx) == len(e_ctx)
+        # the context's written rows only: rows past a request's length all go to one sink slot,
+        # where several writes race (by design: it is masked), so its value is not deterministic
+        assert all(torch.equal(g, e) for g, e in zip(g_ctx, e_ctx)) and [c.shape[1] for c in g_ctx] == lengths.tolist()
         for r, n in enumerate(lengths.tolist()):
             assert torch.equal(g_rows[r, :n], e_rows[r, :n])
             assert rel_err(g_rows[r, :n], runs["eager", seed][0][r, :n]) <= 3e-2
