@@ -287,6 +287,36 @@ def test_oracle_tokens_per_second(benchmark, name, accuracy, run_options):
     record(benchmark, **info)
 
 
+class _OneTokenOracle(OracleDrafter):
+    """The oracle with the look-ahead it had before session 48: greedy tokens decoded one at a time
+    (its ``prepare`` takes the root only, so the session does not hand it the verify pass)."""
+
+    def prepare(self, root_tokens):
+        super().prepare(root_tokens)
+
+
+@pytest.mark.parametrize("lookahead", ["verify_pass", "one_token"])
+@pytest.mark.parametrize("name", _configs())
+def test_perfect_oracle_acceptance(benchmark, name, lookahead, run_options):
+    """How often the oracle's "true token" is the verify's greedy token: a perfect oracle
+    (accuracy 1) at a fixed B = 16 accepts L + 1 = 8 tokens a step when every look-ahead token is
+    the one the verify chooses.  ``verify_pass``: the look-ahead runs each budget's verify pass
+    (the oracle's default in a session); ``one_token``: one-token passes, other kernels -- on a
+    random target's flat logits their argmax parts from the verify's (run 188: 4.9 of 8 on the
+    H200).  256 tokens; mean accept and the share of full steps."""
+    model = target(name)
+    cls = OracleDrafter if lookahead == "verify_pass" else _OneTokenOracle
+    oracle = cls(model, accuracy=1.0, seed=3, inner=drafter(name))
+    kw = dict(drafter=oracle, tree_budget=16)
+    model.generate(prompt(name), max_new_tokens=256, eos_token_id=None, **kw)  # the session, compiled
+    out, wall, T = benchmark.pedantic(lambda: _generate(model, prompt(name), 256, **kw), rounds=1, iterations=1)
+    steps = out.accept_lengths[0][out.accept_lengths[0] > 0]
+    full = min(16, BLOCK_SIZE - 1) + 1
+    record(benchmark, op="perfect_oracle", config=name, lookahead=lookahead, budget=16, tokens=256,
+           mean_accept=out.mean_accept_length, most=full, full_steps=float((steps == full).float().mean()),
+           steps=int(steps.numel()))
+
+
 @pytest.mark.parametrize("name", _configs())
 def test_random_drafter_tokens_per_second(benchmark, name, run_options):
     """Issue 44's "never loses" line: sustained DDTree generation, tree_budget="auto", with the

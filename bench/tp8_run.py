@@ -67,7 +67,8 @@ them).  Total ~7 min, plus ~0.5 min of start-up (imports, NCCL) per torchrun inv
   times, and a fixed B = 16), ``--oracle-tokens`` tokens after the prompt, tokens/s inside the
   steps (the oracle's look-ahead excluded, as bench_generate).  The sessions are generate()'s own
   (GenerationSession.prefill + run), except that the look-ahead runs eagerly instead of compiled
-  (:class:`_Session`): compiling its seven unrolled target passes would cost minutes at K2 width.
+  (:class:`_Session`), through each budget's verify pass uncompiled: compiling it per budget would
+  add a K2-width compile each.
   OracleDrafter runs under tensor parallelism (its look-ahead's greedy token by the sharded argmax,
   its draft this rank's vocabulary shard); should this part raise, it records the error and the
   tree steps use the DFlash drafter.
@@ -544,23 +545,33 @@ def global_config(layers: int, tiny: bool) -> dict:
     return k2_global_config(layers)
 
 
+def _is_look_ahead(key) -> bool:
+    return key == "prepare" or (isinstance(key, tuple) and key[0] == "prepare")
+
+
 def _session_class():
     from torch_kdtree.models.generation import GenerationSession
     from torch_kdtree.ops import value_checks
 
     class _Session(GenerationSession):
         """generate()'s GenerationSession, except that the drafter's look-ahead (the oracle's
-        ``prepare``) runs eagerly, neither compiled nor captured: it runs outside the timed steps,
-        and compiling its L unrolled target passes would cost minutes at K2 width."""
+        ``prepare``) runs eagerly, neither captured nor compiled: it runs outside the timed steps,
+        and compiling each budget's look-ahead pass would add a K2-width compile per budget.  It
+        still decodes through each budget's verify pass (the same kernels and plan; only
+        inductor's fusions differ)."""
 
-        def _capture(self, key, fn) -> None:
-            if key != "prepare":
-                super()._capture(key, fn)
+        def _capture(self, key, fn, before=None) -> None:
+            if not _is_look_ahead(key):
+                super()._capture(key, fn, before)
 
         def _run(self, key, fn) -> None:
-            if key == "prepare":
+            if _is_look_ahead(key):
                 with torch.no_grad(), value_checks(False) if self.device.type == "cuda" else contextlib.nullcontext():
-                    self._prepare(self.root)
+                    if isinstance(key, tuple):
+                        b = key[1]
+                        self._prepare(self.root, lambda *a: self._lookahead_pass(b, *a), b + 1)
+                    else:
+                        self._prepare(self.root)
                 return
             super()._run(key, fn)
 

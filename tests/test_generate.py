@@ -205,6 +205,47 @@ def test_oracle_accuracy_controls_acceptance():
     assert len(model.__dict__["_ddtree_sessions"]) == 1
 
 
+@pytest.mark.parametrize("compile_step", [False, "aot_eager"])
+def test_oracle_looks_ahead_through_each_budgets_verify_pass(compile_step):
+    """In a session the oracle decodes its continuation through the coming step's own verify pass
+    (that budget's plan, [R, B + 1] nodes: the verify's rounding), min(L, B) passes a look-ahead,
+    not through one-token passes; in fp32 both give the same greedy tokens (a B-node tree reaches
+    depth B at most: deeper depths repeat the last), the cache's lengths are left as they were, and
+    a perfect oracle's step then accepts min(B, L) + 1 tokens."""
+    from torch_kdtree.models.generation import GenerationSession
+
+    model = target(32)
+    ids, mask = prompts(2, 32, left=False)
+    drafter = OracleDrafter(model, 5, accuracy=1.0, seed=1)  # L = 4
+    try:
+        torch._dynamo.reset()
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=24, budgets=(0, 2, 6),
+                                    compile_step=compile_step)
+        calls = []
+        for b, fn in list(session._passes.items()):
+            session._passes[b] = lambda *a, b=b, fn=fn: calls.append((b, tuple(a[0].shape))) or fn(*a)
+        session.prefill(ids, mask.sum(1), max_new=20, eos=[])
+        lengths = session.cache.lengths.clone()
+        for budget in (2, 6):
+            calls.clear()
+            session._look_ahead(budget)
+            through_verify = drafter.continuation.clone()
+            assert calls == [(budget, (2, budget + 1))] * min(4, budget)
+            assert torch.equal(session.cache.lengths, lengths)
+            drafter.prepare(session.root)  # one token at a time
+            reach = min(4, budget)
+            assert torch.equal(through_verify[:, :reach], drafter.continuation[:, :reach])
+            assert (through_verify[:, reach:] == through_verify[:, reach - 1 : reach]).all()
+            assert torch.equal(session.cache.lengths, lengths)
+        for budget in (6, 2):
+            session.step(budget)
+        steps = session.accept_log[:2].tolist()
+        assert steps == [[5, 5], [3, 3]], steps
+    finally:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+
+
 def test_step_compiles_as_one_graph_and_equals_eager():
     """The whole step (drafter, top-K, build, verify, sampling, accept, commit, outputs) traces
     with fullgraph=True; through AOT autograd it gives the eager tokens."""
@@ -1106,6 +1147,23 @@ def test_cuda_int4_ddtree_equals_autoregressive(kind, budget, seed, new_tokens, 
     dd = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, drafter=drafter,
                         tree_budget=budget, compile_step=compile_step)
     assert_equal_up_to_bf16_ties(model, ids, mask, dd, ar, resume=_greedy(model, compile_step))
+
+
+@requires_mla_cuda
+@pytest.mark.parametrize("compile_step", ["auto", False])
+def test_cuda_perfect_oracle_accepts_every_draft_through_the_verify_pass(compile_step):
+    """bf16, CUDA graphs: the oracle's look-ahead runs each budget's verify pass, so a perfect
+    oracle's chain is exactly what the verify chooses, even on this random target's flat logits
+    (where one-token passes, other kernels, part from it within a few tokens): every step but a
+    request's last (cut by max_new_tokens) accepts L + 1 tokens."""
+    model = gpu_target(94)
+    ids, mask = prompts(2, 94)
+    drafter = OracleDrafter(model, 6, accuracy=1.0, seed=1)  # L = 5
+    out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=48, eos_token_id=None,
+                         drafter=drafter, tree_budget=8, compile_step=compile_step, return_dict_in_generate=True)
+    for row in out.accept_lengths.cpu():
+        running = row[row > 0]
+        assert running.numel() >= 7 and (running[:-1] == 6).all(), row.tolist()
 
 
 @requires_mla_cuda

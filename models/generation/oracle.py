@@ -3,7 +3,10 @@
 Before each draft, :meth:`OracleDrafter.prepare` decodes the target greedily for
 L = block_size - 1 tokens after the root, in place on the generation's paged cache (at the
 positions the tree overwrites next; the committed lengths are restored), so the continuation
-always follows the actual prefix, whatever was generated before.  The session runs ``prepare``
+always follows the actual prefix, whatever was generated before.  In a generation session it
+decodes them through the coming step's own verify pass (a chain of B + 1 nodes, one pass per
+token): "the true token" is then exactly the token the verify will choose, on any GPU and even
+where a random target's logits are nearly flat (one-token passes round differently there).  The session runs ``prepare``
 as its own graph just before each step, outside the step's timing: the look-ahead is the
 oracle's knowledge, not a drafter's cost.  :meth:`forward` (inside the step) then emits
 per-depth marginals that put, at depth d:
@@ -163,16 +166,42 @@ class OracleDrafter(nn.Module):
 
     # ---- the look-ahead and the draft ----
     @torch.no_grad()
-    def prepare(self, root_tokens: torch.Tensor) -> None:
-        """Decode the target's greedy tokens after each root into :attr:`continuation` [R, L],
-        one at a time at cache positions lengths .. lengths + L - 1 (overwritten by the next
-        tree), the lengths restored afterwards."""
+    def prepare(self, root_tokens: torch.Tensor, tree_pass=None, nodes: int = 0) -> None:
+        """Decode the target's greedy tokens after each root into :attr:`continuation` [R, L].
+
+        With ``tree_pass`` (the session's verify pass for the coming step's budget, ``nodes`` =
+        budget + 1 rows; ``tree_pass(tokens [R, nodes], positions, visible [R, nodes, nodes]) ->
+        (logits, taps)``): ``min(L, nodes - 1)`` passes over the chain root, t1, t2, ... (node i
+        at position lengths + i, seeing nodes 0..i; the nodes past the chain's end repeat the
+        root and are seen by none), token d + 1 the argmax at node d.  These are the verify's own
+        greedy tokens: the same kernels, plan and row count, and node d sees what the tree's node
+        on that path sees.  A greedy continuation decoded one token at a time rounds differently
+        (other kernels); on a random target's flat logits the two part within a few tokens, and
+        "accuracy" would then mean less against the verify, by an amount that depends on the GPU.
+        A tree of ``nodes - 1`` drafts reaches no deeper than that: the deeper depths repeat the
+        last token.  Without it: one-token passes, as a user calling ``prepare(root)`` gets.
+        Either way the cache rows at lengths .. are overwritten by the next tree; the lengths
+        stay as they were."""
         if self._cache is None:
             raise RuntimeError("OracleDrafter: attach(target, cache) first (the generation session does)")
         target, cache = self._target[0], self._cache
         tp = getattr(target, "tp", None)  # logits are this rank's vocabulary shard: the sharded argmax
         x = root_tokens
         tokens = []
+        if tree_pass is not None and nodes >= 2:
+            R, L = root_tokens.shape[0], self._block_size - 1
+            t = torch.arange(nodes, device=root_tokens.device)
+            visible = (t[:, None] >= t[None, :]).expand(R, nodes, nodes)
+            positions = cache.lengths.long()[:, None] + t[None, :]
+            ids = root_tokens[:, None].expand(R, nodes)
+            for depth in range(min(L, nodes - 1)):
+                logits = tree_pass(ids, positions, visible)[0]
+                x = select_tokens(logits[:, depth : depth + 1], SamplingMode(), None, tp)[:, 0]
+                tokens.append(x)
+                ids = torch.where(t[None, :] == depth + 1, x[:, None], ids)
+            tokens += [x] * (L - len(tokens))
+            self.continuation.copy_(torch.stack(tokens, dim=1))
+            return
         for depth in range(self._block_size - 1):
             logits = target(x[:, None], cache.lengths.long()[:, None], cache, self._ones).logits
             x = select_tokens(logits, SamplingMode(), None, tp)[:, 0]

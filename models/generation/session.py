@@ -36,6 +36,7 @@ stops.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -130,7 +131,7 @@ def _state_tensors(module) -> dict:
 
 
 def _own_code(fn, name: str):
-    """A function that calls ``fn()`` through a code object of its own, named ``name``.
+    """A function that calls ``fn(*args)`` through a code object of its own, named ``name``.
 
     Dynamo keeps its compiled graphs, guards and recompile count per code object.  Every
     session's step for every budget would otherwise enter through one shared code object (the
@@ -138,13 +139,22 @@ def _own_code(fn, name: str):
     ninth would hit dynamo's recompile limit (an error under ``fullgraph=True``).  With its own
     code object each step compiles once, keeps its own guards, and is freed with its session."""
 
-    def step():
-        return fn()
+    def step(*args):
+        return fn(*args)
 
     names = {"co_name": name, **({"co_qualname": name} if hasattr(step.__code__, "co_qualname") else {})}
     step.__code__ = step.__code__.replace(**names)
     step.__name__ = step.__qualname__ = name
     return step
+
+
+def _takes_tree_pass(prepare) -> bool:
+    """Does a drafter's ``prepare`` take ``(root, tree_pass, nodes)`` (:class:`OracleDrafter`'s),
+    or the root only?"""
+    try:
+        return "tree_pass" in inspect.signature(prepare).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _mesh_of(tp) -> str:
@@ -330,8 +340,24 @@ class GenerationSession:
             self.pending = torch.zeros(batch_size, self.defer, width, dtype=target.dtype, device=dev)
             self.pending_n = torch.zeros(batch_size, dtype=torch.int64, device=dev)
             self._fns["flush"] = self._flush
+        # The oracle's look-ahead (its ``prepare``): with a ``tree_pass`` argument, through each
+        # budget's own verify pass (_lookahead_pass), so that its greedy tokens are the verify's
+        # own (the same kernels, plan and row count; one-token passes round differently and, on
+        # a random target's flat logits, choose differently); that pass is compiled like a step,
+        # the look-ahead around it stays eager (captured on CUDA): L unrolled passes would compile
+        # for minutes.  A drafter whose prepare takes the root only keeps one compiled look-ahead.
+        self._passes: dict = {}
+        self._lookahead_keys = {}
         if self._prepare is not None and any(self.budgets):
-            self._fns["prepare"] = lambda: self._prepare(self.root)
+            if _takes_tree_pass(self._prepare):
+                for b in self.budgets:
+                    if b:
+                        self._passes[b] = lambda *a, b=b: self._lookahead_pass(b, *a)
+                        self._fns["prepare", b] = lambda b=b: self._prepare(self.root, self._passes[b], b + 1)
+                        self._lookahead_keys[b] = ("prepare", b)
+            else:
+                self._fns["prepare"] = lambda: self._prepare(self.root)
+                self._lookahead_keys = {b: "prepare" for b in self.budgets if b}
         if compile_step:
             if compile_step in ("combo", "tuned"):
                 compile_step = INDUCTOR_OPTIONS[compile_step]
@@ -340,8 +366,11 @@ class GenerationSession:
                 how = {"backend": "inductor", **({"options": options} if options else {})}
             else:
                 how = {"backend": compile_step}
-            self._fns = {k: torch.compile(_own_code(f, f"step_{k}"), fullgraph=True, dynamic=False, **how)
+            self._fns = {k: f if k in self._lookahead_keys.values() and isinstance(k, tuple) else
+                         torch.compile(_own_code(f, f"step_{k}"), fullgraph=True, dynamic=False, **how)
                          for k, f in self._fns.items()}
+            self._passes = {b: torch.compile(_own_code(f, f"lookahead_{b}"), fullgraph=True, dynamic=False, **how)
+                            for b, f in self._passes.items()}
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
             for key, fn in self._fns.items():
@@ -425,6 +454,18 @@ class GenerationSession:
                 return logits, taps
         out = target(tree.tokens, positions, self.cache, tree.visible, tap_layers=self.taps, plan=self.plan[budget])
         return out.logits, out.taps
+
+    def _lookahead_pass(self, budget: int, tokens, positions, visible):
+        """The verify's target pass at ``budget`` (its plan, its [R, budget + 1] rows, the same
+        taps) over the given nodes: (logits, taps).  The oracle's look-ahead runs it."""
+        out = self.target(tokens, positions, self.cache, visible, tap_layers=self.taps, plan=self.plan[budget])
+        return out.logits, out.taps
+
+    def _look_ahead(self, budget: int) -> None:
+        """The drafter's look-ahead before a step at ``budget`` (an oracle's ``prepare``), if any."""
+        if budget and self._prepare is not None:
+            key = self._lookahead_keys[budget]
+            self._run(key, self._fns[key])
 
     def _ar_step(self) -> None:
         target, cache = self.target, self.cache
@@ -573,8 +614,7 @@ class GenerationSession:
         """One step at ``budget``: graph replays on CUDA, else eagerly.  A drafter with a
         ``prepare(root)`` (the oracle's look-ahead) runs it first, outside the step proper (its
         own graph), so that step timings (:meth:`run`, :meth:`measure_step_seconds`) leave it out."""
-        if budget and self._prepare is not None:
-            self._run("prepare", self._fns["prepare"])
+        self._look_ahead(budget)
         if self._timing is not None:
             self._timing.append(self._clock())
         if self._flush_due(budget):  # inside the timed region: it is part of what the steps cost
@@ -609,8 +649,7 @@ class GenerationSession:
     @torch.no_grad()
     def profile_step(self, budget: int) -> dict:
         """One eager step with per-phase times (ms) and the accept lengths (synchronises)."""
-        if budget and self._prepare is not None:
-            self._run("prepare", self._fns["prepare"])
+        self._look_ahead(budget)
         self._timer = PhaseTimer(self.device)
         try:
             if self._flush_due(budget):
