@@ -26,7 +26,12 @@ the last exploration took ``1 / share`` times as long as it did, so exploring ta
 ``share`` of the time.  While autoregressive decoding looks best an exploration goes on, a step
 at a time (``max_explore_steps`` at most), until no tree could still win given how few steps its
 a(b) rests on (it measures no tree, so a good drafter written off by a few unlucky steps would
-stay written off); otherwise it is one step.  An exploration that finds nothing better halves
+stay written off), at the largest budget still unclear (the larger ones are ruled out and a
+smaller step costs less); otherwise it is one step.  While AR is the choice the next look waits
+that bound times 1 - p (``PATIENCE_FLOOR`` at least), p the progress towards AR's rate the most
+promising tree has surely made (:meth:`BudgetPlanner._patience`): a drafter that fell steadily
+just short at a hard start looks again soon, a useless or lucky one waits the whole bound.  An
+exploration that finds nothing better halves
 ``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
 drafter is looked at less often, a change of text is followed at once.  A tree that becomes the
 choice on the strength of few request-steps (one lucky look) runs a step at a time until its a(b)
@@ -44,6 +49,7 @@ AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
 CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
 RECHECK_STEPS = 2  # the same for a tree still on probation (once per scheduled look)
+PATIENCE_FLOOR = 0.1  # the shortest wait for the next look, as a fraction of the share bound's
 
 
 class FixedBudget:
@@ -92,6 +98,7 @@ class BudgetPlanner:
         self.seconds = {b: float(step_seconds[b]) for b in self.candidates}
         self.accept = {b: (1.0 if b == 0 else None) for b in self.candidates}
         self.weight = {b: 0.0 for b in self.candidates}  # request-steps behind accept[b], aged
+        self.square = {b: None for b in self.candidates}  # the mean square of the accept lengths, aged alike
         self.share, self.max_backoff, self.max_explore_steps = share, max_backoff, max_explore_steps
         self.z, self.half_life, self.time_half_life = z, half_life, time_half_life
         self.largest = self.candidates[-1]
@@ -109,15 +116,19 @@ class BudgetPlanner:
     def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None,
                 steps: int = 1) -> None:
         """One segment of ``steps`` steps ran at ``budget``: ``accepted[b] = (sum of counterfactual
-        accept lengths, number of request-steps)`` for candidates b <= budget;
-        ``seconds_per_step`` measured (None: not timed)."""
+        accept lengths, number of request-steps[, sum of their squares])`` for candidates b <=
+        budget; ``seconds_per_step`` measured (None: not timed)."""
         age = 0.5 ** (steps / self.half_life)
         for b in self.candidates:
             self.weight[b] *= age
-        for b, (total, count) in accepted.items():
+        for b, seen in accepted.items():
+            total, count = seen[0], seen[1]
             if b in self.accept and b != 0 and count > 0:
                 old, w = self.accept[b] or 0.0, self.weight[b]
                 self.accept[b] = (old * w + total) / (w + count)
+                # without squares, the noise _unclear assumes: drafts as variable as their mean
+                squares = seen[2] if len(seen) > 2 else count * ((total / count) ** 2 + (total / count - 1) ** 2)
+                self.square[b] = ((self.square[b] or 0.0) * w + squares) / (w + count)
                 self.weight[b] = w + count
         if seconds_per_step is not None and budget in self.seconds:
             old, keep = self.seconds[budget], 0.5 ** (steps / self.time_half_life)
@@ -132,11 +143,15 @@ class BudgetPlanner:
         if exploring:
             self.explore_steps += steps
             self.explore_cost += steps * self.seconds.get(budget, 0.0)
-            unclear = self._unclear()
+            unclear = self._unclear_budget()
             if self.explore_steps >= self.explore_limit or not unclear:
                 self.exploring, self.explored_at = False, self.clock
                 if self.best == self.explore_from and not unclear:  # it found nothing: look less often
                     self.backoff = min(self.backoff + 1, self.max_backoff)
+            elif self.explore_budget == self.largest:
+                # a look goes on at the largest budget still unclear: the larger ones are ruled
+                # out, and a smaller step costs less (a hard start can leave only B = 4 unclear)
+                self.explore_budget = unclear
         if self.best != before:  # the text changed, or exploring paid off: look as often as allowed
             self.backoff = 0
             confirmed = self.weight[before] >= PROBATION
@@ -154,7 +169,7 @@ class BudgetPlanner:
         # an exploration of s seconds is followed by s / share seconds of other steps (share
         # halved per back-off), so exploring takes at most `share` of the time after the first
         if not self.exploring and self.best < self.largest and \
-                self.clock - self.explored_at >= self.explore_cost * 2 ** self.backoff / self.share:
+                self.clock - self.explored_at >= self.explore_cost * 2 ** self.backoff / self.share * self._patience():
             self._start_exploring()
         self._plan()
         self.history.append({"budget": budget, "steps": steps, "explore": exploring, "next": self.current,
@@ -170,23 +185,47 @@ class BudgetPlanner:
         known = [b for b in self.candidates if self.accept[b] is not None]
         return max(known, key=self.rate)
 
+    def _patience(self) -> float:
+        """While autoregressive decoding is the choice, how long the next scheduled look waits, as
+        a fraction of the share bound's wait: 1 - p (PATIENCE_FLOOR at least), p the progress
+        towards AR's rate that the most promising tree has surely made, (a_low(b) - 1) / (need(b)
+        - 1), need(b) = t(b) / t(0), a_low(b) its accept estimate less z standard errors (from
+        the accept lengths' own spread).  A useless drafter (a ~ 1) waits the whole bound, as
+        does one right now and then (its few lucky looks are a wide spread); one whose best tree
+        fell just short, steadily (the trained pair's hard start: a(4) at 0.96 of its need),
+        looks again several times sooner, when the text may have become easy.  While a tree is
+        the choice, looks (at the larger budgets) wait the whole bound."""
+        if self.best != 0:
+            return 1.0
+        p = 0.0
+        for b in self.candidates:
+            a, w, sq = self.accept[b], self.weight[b], self.square[b]
+            need = self.seconds[b] / self.seconds[0]
+            if b and a is not None and w > 0 and sq is not None and need > 1:
+                low = a - self.z * (max(sq - a * a, 0.0) / w) ** 0.5
+                p = max(p, min(1.0, (low - 1) / (need - 1)))
+        return max(PATIENCE_FLOOR, 1 - p)
+
     def _unclear(self) -> bool:
-        """Could a tree still beat autoregressive decoding, given how few steps its a(b) rests
-        on?  Asked only while autoregressive decoding is best: it measures no tree, so a tree
+        return self._unclear_budget() > 0
+
+    def _unclear_budget(self) -> int:
+        """The largest tree budget that could still beat autoregressive decoding, given how few
+        steps its a(b) rests on (0: none).  Could a tree still beat autoregressive decoding?  Asked only while autoregressive decoding is best: it measures no tree, so a tree
         written off by a few unlucky steps stays written off until the next exploration (a tree
         chosen too eagerly is measured by running it).  To win, b must accept need = t(b) / t(0).
         The drafts a step accepts (a - 1) vary about as much as their mean (near-geometric
         lengths: often none, sometimes many), so if b just won, a(b) - 1 from w request-steps
         would rarely fall more than z standard errors, z (need - 1) / sqrt(w), below need - 1."""
         if self.best != 0:
-            return False
-        for b in self.candidates:
+            return 0
+        for b in reversed(self.candidates):
             a, w = self.accept[b], self.weight[b]
             if b > 0 and a is not None and w > 0:
                 need = self.seconds[b] / self.seconds[0]
                 if a - 1 >= (need - 1) * (1 - self.z / w ** 0.5):
-                    return True
-        return False
+                    return b
+        return 0
 
     def _start_exploring(self, budget: int | None = None, recheck: bool = False) -> None:
         """Explore at ``budget`` (default: the largest, which measures every a(b) at once);

@@ -303,7 +303,8 @@ class GenerationSession:
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accept_log = torch.zeros(self.max_steps, batch_size, dtype=torch.int32, device=dev)
         # counterfactual accept lengths per budget: sums and request-steps, one buffer (one read a look)
-        self.cf = torch.zeros(2, len(self.budgets), dtype=torch.float32, device=dev)
+        # (sums, request-steps, sums of squares: the planner's noise estimate)
+        self.cf = torch.zeros(3, len(self.budgets), dtype=torch.float32, device=dev)
         self._ones = torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev)
         self._topk_kernel = _has_device_kernel("kdtree::draft_topk", dev)
         # The drafter's state tensors as the graphs saw them; holding them keeps them alive (a
@@ -572,6 +573,7 @@ class GenerationSession:
                 within = ((indices >= 0) & (indices <= b)).sum(1).float()
                 self.cf[0, i] += (within * active).sum()
                 self.cf[1, i] += n_active
+                self.cf[2, i] += (within * within * active).sum()
 
     def _step_fn(self, budget: int):
         return self._ar_step if budget == 0 else (lambda: self._ddtree_step(budget))
@@ -905,11 +907,12 @@ class GenerationSession:
             count.append(n)
         return out, count
 
-    def take_counterfactuals(self) -> dict[int, tuple[float, float]]:
-        """The accumulated (sum, count) of counterfactual accept lengths per budget; resets them."""
-        sums, counts = self.cf.tolist()
+    def take_counterfactuals(self) -> dict[int, tuple[float, float, float]]:
+        """The accumulated (sum, count, sum of squares) of counterfactual accept lengths per
+        budget; resets them."""
+        sums, counts, squares = self.cf.tolist()
         self.cf.zero_()
-        return {b: (s, c) for b, s, c in zip(self.budgets, sums, counts)}
+        return {b: (s, c, q) for b, s, c, q in zip(self.budgets, sums, counts, squares)}
 
 
 __all__ = ["GenerationSession", "PhaseTimer", "StepPlans", "PHASES", "MAX_EOS"]
