@@ -349,7 +349,7 @@ def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_d
 def test_a_drafter_right_now_and_then_costs_under_3_percent_in_every_seed(times, q, R):
     """Rare whole-block hits (a(b) = 1.07 / 1.35, below every tree's need) make lucky looks and
     dips: the probation, the dips' short measuring and the share bound keep every one of 40
-    seeds within 3 % of AR (worst at this head: 0.9705, k2_h100 q 0.05; 0.9715 before session 48)."""
+    seeds within 3 % of AR (worst at this head: 0.9705, h200 q 0.05 R 4; 0.9715 before session 48)."""
     block = steady({b: 8.0 for b in times if b})  # a hit accepts the whole block at every budget
     worst = min(simulate(auto(times), times, block, R=R, seed=s, draw=lambda rng: float(rng.random() < q))
                 for s in range(40))
