@@ -3,8 +3,12 @@
 bench_generate's oracle rows on 2p2b (run 178) accepted ~1.01 tokens a step at 60-95 % oracle
 accuracy while k2_slice's accepted 2.7-4.8; on the CPU (bf16) the 2p2b configuration accepts 5.8 of 8
 with a perfect oracle through torch ops and 3.8-4.4 through the GPU plan's forms (the ops' CPU references).  A perfect oracle (accuracy 1, fixed B = 16) drafts the
-autoregressive pass's own greedy continuation, so its acceptance measures how often the tree pass's
-argmax equals the AR pass's: 8 when they always agree (L + 1), ~1 when they disagree at once.  For
+autoregressive pass's own greedy continuation, so its acceptance measured how often the tree pass's
+argmax equals the AR pass's: 8 when they always agree (L + 1), ~1 when they disagree at once.  Since
+session 48 the oracle decodes that continuation through the step's own verify pass (oracle.py), so
+its acceptance here should be 8 every step (a lower one: the verify's rows depend on the tree around
+them), and the AR / tree disagreement shows only in where greedy DDTree first leaves greedy AR;
+bench_generate's ``perfect_oracle`` rows time both look-aheads (``one_token`` is the old one).  For
 each configuration and step form (compiled CUDA-graph steps as generate() runs them, and eager
 ops), this prints the mean acceptance, the accept-length histogram, and where greedy DDTree first
 leaves greedy AR with the logit gap there (bf16 ulps of the largest logit): a gap of a few ulps is a
