@@ -213,10 +213,11 @@ class BudgetPlanner:
         """The largest tree budget that could still beat autoregressive decoding, given how few
         steps its a(b) rests on (0: none).  Asked only while autoregressive decoding is best: it
         measures no tree, so a tree written off by a few unlucky steps stays written off until
-        the next exploration (a tree chosen too eagerly is measured by running it).  To win, b must accept need = t(b) / t(0).
-        The drafts a step accepts (a - 1) vary about as much as their mean (near-geometric
-        lengths: often none, sometimes many), so if b just won, a(b) - 1 from w request-steps
-        would rarely fall more than z standard errors, z (need - 1) / sqrt(w), below need - 1."""
+        the next exploration (a tree chosen too eagerly is measured by running it).  To win, b
+        must accept need = t(b) / t(0).  The drafts a step accepts (a - 1) vary about as much as
+        their mean (near-geometric lengths: often none, sometimes many), so if b just won, a(b) -
+        1 from w request-steps would rarely fall more than z standard errors, z (need - 1) /
+        sqrt(w), below need - 1."""
         if self.best != 0:
             return 0
         for b in reversed(self.candidates):

@@ -6,9 +6,9 @@ positions the tree overwrites next; the committed lengths are restored), so the 
 always follows the actual prefix, whatever was generated before.  In a generation session it
 decodes them through the coming step's own verify pass (a chain of B + 1 nodes, one pass per
 token): "the true token" is then exactly the token the verify will choose, on any GPU and even
-where a random target's logits are nearly flat (one-token passes round differently there).  The session runs ``prepare``
-as its own graph just before each step, outside the step's timing: the look-ahead is the
-oracle's knowledge, not a drafter's cost.  :meth:`forward` (inside the step) then emits
+where a random target's logits are nearly flat (one-token passes round differently there).  The
+session runs ``prepare`` as its own graph just before each step, outside the step's timing: the
+look-ahead is the oracle's knowledge, not a drafter's cost.  :meth:`forward` (inside the step) then emits
 per-depth marginals that put, at depth d:
 
 - with probability ``accuracy``: the true token first, a wrong token second;
