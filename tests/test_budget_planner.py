@@ -303,6 +303,25 @@ def test_a_steady_drafter_just_short_at_a_hard_start_is_looked_at_again_soon():
         assert rate >= 0.8 * fixed, (R, rate, fixed)
 
 
+@pytest.mark.parametrize("times", [H200, K2_H100], ids=["h200", "k2_h100"])
+def test_a_short_generations_first_look_costs_a_share_of_it(times):
+    """Told the generation's length (generate passes max_new_tokens), the first look runs at the
+    largest budget whose step costs at most FIRST_LOOK_SHARE of the generation's AR time (the
+    smallest tree if none does): at 64 tokens a first look at B = 64 cost a useless drafter 11-14 %
+    (0.865-0.888x in simulation), now ~6-7 %; at 2,000 tokens the first look is at the largest, as
+    before."""
+    from torch_kdtree.models.generation.budget import FIRST_LOOK_SHARE
+
+    def planner(tokens):
+        return BudgetPlanner(AUTO_BUDGETS, {b: t * AR_SECONDS for b, t in times.items()}, tokens=tokens)
+
+    first = planner(64).current
+    fits = [b for b in AUTO_BUDGETS[1:] if times[b] <= FIRST_LOOK_SHARE * 64]
+    assert first == (fits[-1] if fits else 4) and planner(2000).current == 64 and planner(None).current == 64
+    rate = mean_rate(lambda: planner(64), times, steady(RANDOM), tokens=64, R=2)
+    assert rate >= 0.92, rate
+
+
 def test_a_confirmed_tree_that_dips_below_ar_by_noise_is_measured_before_it_is_dropped():
     """A tree confirmed over many steps whose estimate one bad segment pushes just below AR's is
     measured on (single steps at that tree, an exploration) until the answer is clear, instead of

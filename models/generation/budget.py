@@ -21,7 +21,9 @@ Running the chosen budget refreshes a(b) for every b below it; only larger budge
 exploring, and one step at the largest refreshes all of them.  Exploring is what can make "auto"
 slower than its best budget (with a useless drafter a B = 64 step costs ~5x an autoregressive
 one for ~1 token), so it is bounded.  The planner explores one step per segment
-(``segment_steps``): at the start (nothing is known), and then only once the other steps since
+(``segment_steps``): at the start (nothing is known; for a generation of known length, at the
+largest budget whose step costs at most ``FIRST_LOOK_SHARE`` of its AR time), and then only once
+the other steps since
 the last exploration took ``1 / share`` times as long as it did, so exploring takes at most
 ``share`` of the time.  While autoregressive decoding looks best an exploration goes on, a step
 at a time (``max_explore_steps`` at most), until no tree could still win given how few steps its
@@ -49,6 +51,7 @@ AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
 CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
 RECHECK_STEPS = 2  # the same for a tree still on probation (once per scheduled look)
+FIRST_LOOK_SHARE = 0.05  # with ``tokens``: the first look's step costs at most this share of their AR time
 PATIENCE_FLOOR = 0.1  # the shortest wait for the next look, as a fraction of the share bound's
 
 
@@ -81,6 +84,9 @@ class BudgetPlanner:
         half_life: steps of generation after which an accept observation weighs half.
         time_half_life: steps after which a step-time measurement weighs half (a segment of
             one step, as on the CPU, moves the estimate a little; one of eight, more).
+        tokens: the generation's length, when known: its first look then costs at most
+            ``FIRST_LOOK_SHARE`` of their autoregressive time (a short generation's first look at
+            B = 64 would cost ~5 AR steps of, say, 64).
 
     ``current`` is the budget of the next segment and ``segment_steps`` its length (None: the
     session's ``sync_every``).
@@ -90,7 +96,7 @@ class BudgetPlanner:
 
     def __init__(self, candidates, step_seconds: dict[int, float], *, share: float = 0.02, max_backoff: int = 1,
                  max_explore_steps: int = 16, z: float = 1.5, half_life: float = 16.0,
-                 time_half_life: float = 16.0):
+                 time_half_life: float = 16.0, tokens: int | None = None):
         self.candidates = tuple(sorted(set(candidates)))
         missing = [b for b in self.candidates if b not in step_seconds]
         if missing:
@@ -111,6 +117,12 @@ class BudgetPlanner:
         self.history: list[dict] = []
         if self.largest > self.best:  # nothing is known of any tree yet
             self._start_exploring()
+            if tokens is not None:
+                # a short generation: a first look of at most FIRST_LOOK_SHARE of its AR time
+                # (at least the smallest tree); its larger budgets come with the next looks
+                fits = [b for b in self.candidates[1:]
+                        if self.seconds[b] <= FIRST_LOOK_SHARE * tokens * self.seconds[0]]
+                self.explore_budget = fits[-1] if fits else self.candidates[1]
         self._plan()
 
     def observe(self, budget: int, accepted: dict[int, tuple[float, float]], seconds_per_step: float | None,
@@ -148,7 +160,7 @@ class BudgetPlanner:
                 self.exploring, self.explored_at = False, self.clock
                 if self.best == self.explore_from and not unclear:  # it found nothing: look less often
                     self.backoff = min(self.backoff + 1, self.max_backoff)
-            elif self.explore_budget == self.largest:
+            elif self.looking and unclear < self.explore_budget:
                 # a look goes on at the largest budget still unclear: the larger ones are ruled
                 # out, and a smaller step costs less (a hard start can leave only B = 4 unclear)
                 self.explore_budget = unclear
@@ -236,6 +248,7 @@ class BudgetPlanner:
             self.rechecked = False
         self.rechecked = self.rechecked or recheck
         self.explore_budget = self.largest if budget is None else budget
+        self.looking = budget is None  # a look (the first, or scheduled), not a dipped tree's measuring
         # a dipped tree's measuring (budget given) is short: at a large budget each step costs
         # several AR steps, and a drafter that is right now and then dips often
         self.explore_limit = (self.max_explore_steps if budget is None else

@@ -300,7 +300,7 @@ class DDTreeGenerationMixin(GenerationMixin):
                            kv_cache_dtype=kv_dtype,
                            cuda_graphs=cuda_graphs and not profile, compile_step=compile_step, sync_every=sync_every,
                            measure=auto)
-        policy = BudgetPlanner(budgets, session.step_seconds) if auto else FixedBudget(budgets[0])
+        policy = BudgetPlanner(budgets, session.step_seconds, tokens=max_new) if auto else FixedBudget(budgets[0])
         session.prefill(prompts, lengths, max_new=max_new, eos=eos, sampling=sampling, prefill_chunk_size=chunk,
                         min_new_tokens=min_new if mode.min_new else 0, repetition_penalty=float(penalty))
         if streamer is not None:
