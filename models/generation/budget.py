@@ -23,9 +23,8 @@ slower than its best budget (with a useless drafter a B = 64 step costs ~5x an a
 one for ~1 token), so it is bounded.  The planner explores one step per segment
 (``segment_steps``): at the start (nothing is known; for a generation of known length, at the
 largest budget whose step costs at most ``FIRST_LOOK_SHARE`` of its AR time), and then only once
-the other steps since
-the last exploration took ``1 / share`` times as long as it did, so exploring takes at most
-``share`` of the time.  While autoregressive decoding looks best an exploration goes on, a step
+the other steps since the last exploration took ``1 / share`` times as long as it did, so
+exploring takes at most ``share`` of the time.  While autoregressive decoding looks best an exploration goes on, a step
 at a time (``max_explore_steps`` at most), until no tree could still win given how few steps its
 a(b) rests on (it measures no tree, so a good drafter written off by a few unlucky steps would
 stay written off), at the largest budget still unclear (the larger ones are ruled out and a
@@ -51,7 +50,7 @@ AUTO_BUDGETS = (0, 4, 8, 16, 32, 64)
 PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole segments
 CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
 RECHECK_STEPS = 2  # the same for a tree still on probation (once per scheduled look)
-FIRST_LOOK_SHARE = 0.05  # with ``tokens``: the first look's step costs at most this share of their AR time
+FIRST_LOOK_SHARE = 0.05  # with ``tokens``: the first look's step costs at most this share of the generation's AR time
 PATIENCE_FLOOR = 0.1  # the shortest wait for the next look, as a fraction of the share bound's
 
 
