@@ -347,18 +347,15 @@ class GenerationSession:
         # a random target's flat logits, choose differently); that pass is compiled like a step,
         # the look-ahead around it stays eager (captured on CUDA): L unrolled passes would compile
         # for minutes.  A drafter whose prepare takes the root only keeps one compiled look-ahead.
-        self._passes: dict = {}
-        self._lookahead_keys = {}
+        self._passes: dict = {}  # budget -> its verify pass for the look-ahead (keys ("prepare", budget))
         if self._prepare is not None and any(self.budgets):
             if _takes_tree_pass(self._prepare):
                 for b in self.budgets:
                     if b:
                         self._passes[b] = lambda *a, b=b: self._lookahead_pass(b, *a)
                         self._fns["prepare", b] = lambda b=b: self._prepare(self.root, self._passes[b], b + 1)
-                        self._lookahead_keys[b] = ("prepare", b)
             else:
                 self._fns["prepare"] = lambda: self._prepare(self.root)
-                self._lookahead_keys = {b: "prepare" for b in self.budgets if b}
         if compile_step:
             if compile_step in ("combo", "tuned"):
                 compile_step = INDUCTOR_OPTIONS[compile_step]
@@ -367,7 +364,7 @@ class GenerationSession:
                 how = {"backend": "inductor", **({"options": options} if options else {})}
             else:
                 how = {"backend": compile_step}
-            self._fns = {k: f if k in self._lookahead_keys.values() and isinstance(k, tuple) else
+            self._fns = {k: f if isinstance(k, tuple) else  # ("prepare", B): eager around its compiled pass
                          torch.compile(_own_code(f, f"step_{k}"), fullgraph=True, dynamic=False, **how)
                          for k, f in self._fns.items()}
             self._passes = {b: torch.compile(_own_code(f, f"lookahead_{b}"), fullgraph=True, dynamic=False, **how)
@@ -465,7 +462,7 @@ class GenerationSession:
     def _look_ahead(self, budget: int) -> None:
         """The drafter's look-ahead before a step at ``budget`` (an oracle's ``prepare``), if any."""
         if budget and self._prepare is not None:
-            key = self._lookahead_keys[budget]
+            key = ("prepare", budget) if budget in self._passes else "prepare"
             self._run(key, self._fns[key])
 
     def _ar_step(self) -> None:
