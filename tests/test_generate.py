@@ -1481,20 +1481,21 @@ def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(m
         append = drafter.append_context
         monkeypatch.setattr(drafter, "append_context", lambda taps, *a, **k: calls.append((defer, taps.shape[1])) or
                             append(taps, *a, **k))
-        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4),
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=rows + 12, budgets=(0, 4),
                                     defer_rows=defer_rows)
         assert session.defer == rows
         if not defer:
             session.defer = 0  # the AR step then appends each step's row itself
-        session.prefill(ids, mask.sum(1), max_new=40, eos=[])
+        session.prefill(ids, mask.sum(1), max_new=rows + 12, eos=[])
         for _ in range(rows + 3):
             session.step(0)
         session.step(4)
         states.append((drafter.context_lengths.clone(), drafter.context_k.clone(), drafter.context_v.clone(),
                        session.tokens()))
-    # deferred: the prompt, one flush when the store filled, one before the tree step, the tree's
-    # commit (taps of its B + 1 = 5 nodes, the accepted ones gathered inside)
-    assert [a for d, a in calls if d] == [ids.shape[1], rows, rows, 5]
+    # deferred: the prompt, one flush when the store filled, one of the 3 rows stored since before
+    # the tree step (an eager session flushes exactly the stored rows), the tree's commit (taps of
+    # its B + 1 = 5 nodes, the accepted ones gathered inside)
+    assert [a for d, a in calls if d] == [ids.shape[1], rows, 3, 5]
     assert sum(1 for d, _ in calls if not d) == 1 + rows + 3 + 1
     (n0, k0, v0, t0), (n1, k1, v1, t1) = states
     assert torch.equal(n0, n1) and int(n0.min()) >= rows + 3
@@ -1508,3 +1509,52 @@ def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(m
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="defer_rows must be an int >= 1"):
             GenerationSession(model, base, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4), defer_rows=bad)
+
+
+def test_a_compiled_session_flushes_a_short_run_of_ar_steps_through_the_short_flush():
+    """Compiled (fixed shapes, as captured on a GPU): a tree step after at most SHORT_FLUSH stored
+    AR steps runs the short flush (the store's first SHORT_FLUSH rows), after more the whole
+    store's; a full store flushes before the AR step that would overfill it.  The drafter's
+    context then equals a session's that appends every AR step's row itself (fp32 rounding: fc
+    over other row counts), and the tokens equal autoregressive decoding's."""
+    import copy
+
+    from torch_kdtree.models.generation import GenerationSession
+    from torch_kdtree.models.generation.session import SHORT_FLUSH
+
+    model = target(54)
+    ids, mask = prompts(2, 54, left=False)
+    base = make_drafter("random_dflash", model, 3, 4)
+    store = SHORT_FLUSH + 8
+    runs = (3, SHORT_FLUSH, SHORT_FLUSH + 1, store + 2)  # AR steps before each tree step
+    steps = sum(runs) + len(runs)
+    states, keys = [], []
+    for defer in (True, False):
+        drafter = copy.deepcopy(base)
+        session = GenerationSession(model, drafter, batch_size=2, max_prompt=16, max_new=steps * 5 + 8,
+                                    budgets=(0, 4), compile_step="aot_eager", defer_rows=store)
+        assert set(session._fns) >= {"flush", "flush_short"}
+        if defer:
+            run = session._run
+            session._run = lambda key, fn: (keys.append(key) if isinstance(key, str) else None) or run(key, fn)
+        else:
+            session.defer = 0  # the AR step appends its own row
+        session.prefill(ids, mask.sum(1), max_new=steps * 5 + 8, eos=[])
+        for n in runs:
+            for _ in range(n):
+                session.step(0)
+            session.step(4)
+        states.append((drafter.context_lengths.clone(), drafter.context_k.clone(), drafter.context_v.clone(),
+                       session.tokens()))
+    # 3 and SHORT_FLUSH stored: short; SHORT_FLUSH + 1: the store's; store + 2: the full store's
+    # flush before the AR step that would overfill it, then the 2 rows since: short
+    assert keys == ["flush_short", "flush_short", "flush", "flush", "flush_short"], keys
+    (n0, k0, v0, t0), (n1, k1, v1, t1) = states
+    assert torch.equal(n0, n1) and int(n0.min()) >= sum(runs)
+    for r, n in enumerate(n0.tolist()):
+        torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
+    assert torch.equal(t0[0], t1[0]) and t0[1] == t1[1]
+    n = min(t0[1])
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
+    assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])

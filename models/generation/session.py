@@ -15,8 +15,8 @@ flags, per-step statistics — allocated once, at fixed addresses.  One step is 
 
 Budget B = 0 is the autoregressive step (the root alone through the same cache and kernels).
 Its taps are only stored (``DEFER_ROWS`` per request): the drafter's context projection runs for
-them in one batch (the "flush", its own captured step) before the next tree step, or when the
-store is full, so autoregressive steps in a session with a drafter (``tree_budget="auto"`` with a
+them in one batch (the "flush", its own captured step; a second, of ``SHORT_FLUSH`` rows, after
+a few) before the next tree step, or when the store is full, so autoregressive steps in a session with a drafter (``tree_budget="auto"`` with a
 useless drafter runs mostly those) do not read the drafter's context weights each step.
 Every shape is fixed by (R, block size, B) and nothing reads the device on the host, so on CUDA
 each budget's step is captured once in a ``torch.cuda.CUDAGraph`` (warmed up on a side stream,
@@ -54,8 +54,13 @@ from .sampling import SamplingMode, SamplingParams, select_tokens
 MAX_EOS = 8
 # Autoregressive steps whose taps are stored before the drafter's context projection runs for them
 # in one batch: its weights (K2 TP-8 rank: fc alone is 7168 x 7168, ~14 % of the AR step's bytes)
-# are read once per this many AR steps instead of every step.
-DEFER_ROWS = 16
+# are read once per this many AR steps instead of every step.  A flush after at most SHORT_FLUSH
+# stored steps (a tree step soon after an AR one: a dipped tree, a look) runs the store's first
+# SHORT_FLUSH rows only (a second captured flush), so the long store costs a long AR run nothing
+# but memory (R x DEFER_ROWS x taps x hidden) and a short one no wasted rows.  Run 214 (H100,
+# k2_slice, random drafter's AR steps): 16 rows 1.011x a plain session's AR step, 64 rows 1.003x.
+DEFER_ROWS = 128
+SHORT_FLUSH = 16
 # Inductor options by name (compile_step="combo" / "tuned").  combo: independent kernels launched
 # together (2p2b AR step 0.911 -> 0.833 ms on the H200, ~15 s compile); tuned: + coordinate-descent
 # tuning of every kernel's launch config (~65-85 s compile per step the first time, then inductor's
@@ -327,6 +332,7 @@ class GenerationSession:
         self._fns = {b: self._step_fn(b) for b in self.budgets}
         # tree passes over the running requests only (_verify): eager CPU sessions of one process
         self._compact = dev.type == "cpu" and not compile_step and self.tp is None
+        self._compiled = bool(compile_step)
         self._row_plans: dict = {}
         # the AR step's taps, kept for the drafter until a tree step needs its context (_flush)
         if defer_rows is None:
@@ -340,7 +346,9 @@ class GenerationSession:
             width = len(self.taps) * target.config.hidden_size
             self.pending = torch.zeros(batch_size, self.defer, width, dtype=target.dtype, device=dev)
             self.pending_n = torch.zeros(batch_size, dtype=torch.int64, device=dev)
-            self._fns["flush"] = self._flush
+            self._fns["flush"] = lambda: self._flush(self.defer)
+            if self.defer > SHORT_FLUSH:
+                self._fns["flush_short"] = lambda: self._flush(SHORT_FLUSH)
         # The oracle's look-ahead (its ``prepare``): with a ``tree_pass`` argument, through each
         # budget's own verify pass (_lookahead_pass), so that its greedy tokens are the verify's
         # own (the same kernels, plan and row count; one-token passes round differently and, on
@@ -530,10 +538,22 @@ class GenerationSession:
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(col)
         self.seen.index_put_((rows, col), torch.ones_like(col, dtype=torch.bool))
 
-    def _flush(self) -> None:
-        """Append the stored AR steps' taps to the drafter's context (rows in step order)."""
-        self.drafter.append_context(self.pending, self.pending_n)
+    def _flush(self, rows: int) -> None:
+        """Append the stored AR steps' taps to the drafter's context (rows in step order), from the
+        store's first ``rows`` rows (each request has at most the stored steps' count there)."""
+        self.drafter.append_context(self.pending[:, :rows], self.pending_n)
         self.pending_n.zero_()
+
+    def _run_flush(self) -> None:
+        """The flush of the ``_deferred`` stored AR steps: eagerly, exactly their rows; compiled
+        or captured (fixed shapes), the short flush when they fit it, else the whole store."""
+        if not self.use_graphs and not self._compiled:
+            with self._unchecked():
+                self._flush(self._deferred)
+        else:
+            key = "flush_short" if self._deferred <= SHORT_FLUSH and "flush_short" in self._fns else "flush"
+            self._run(key, self._fns[key])
+        self._deferred = 0
 
     def _flush_due(self, budget: int) -> bool:
         """Whether a step at ``budget`` needs the flush first: a tree step (the drafter reads its
@@ -617,8 +637,7 @@ class GenerationSession:
         if self._timing is not None:
             self._timing.append(self._clock())
         if self._flush_due(budget):  # inside the timed region: it is part of what the steps cost
-            self._run("flush", self._fns["flush"])
-            self._deferred = 0
+            self._run_flush()
         self._run(budget, self._fns[budget])
         if self._timing is not None:
             self._timing.append(self._clock())
@@ -653,7 +672,7 @@ class GenerationSession:
         try:
             if self._flush_due(budget):
                 self._phase("commit")  # the stored AR taps' flush counts as commit work
-                self._flush()
+                self._flush(self._deferred)
                 self._deferred = 0
             self._run(budget, self._step_fn(budget))  # eager, uncompiled: the phase marks run
             times = self._timer.millis()
