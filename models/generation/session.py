@@ -82,8 +82,11 @@ PDL_OPTION = "triton.enable_pdl"
 # Prompts of at most this many tokens prefill as one captured pass on CUDA (GenerationSession._chain_prefill):
 # the eager prefill of the default pair (5 layers, 2 prompts of 60 and 78 tokens) launched 653 kernels in
 # 19 ms of host time for 1.3 ms of GPU time on an H100 (bench/RESULTS.md, run 210), about as long as the
-# 256 decoding steps after it.  Longer prompts keep the eager prefill, whose host time their GPU time outgrows.
-PREFILL_GRAPH_TOKENS = 256
+# 256 decoding steps after it.  Forced to longer prompts (run 223, H100, batch 2) the captured chain took
+# 2.28 / 3.45 / 7.40 ms at 512 / 1,024 / 2,048 tokens against the eager prefill's 15.6 / 15.1 / 13.7 ms; its
+# time grows faster than the prompt past 1,024 (its attention is one tree pass over an N x N mask), so longer
+# prompts keep the eager prefill, whose host time their GPU time outgrows.
+PREFILL_GRAPH_TOKENS = 1024
 BUCKET_MAX_STEP = 1024  # the coarsest rounding of a session's prompt / output size (size_bucket)
 PHASES = ("draft", "topk", "build", "verify", "accept", "commit")
 
