@@ -1458,6 +1458,21 @@ def test_cuda_compiled_steps_launch_the_experts_right_after_the_route_they_get_l
     assert _checked_route_logits_calls(codes, "moe_gemv"), "no compiled moe_gemv call with route_logits"
 
 
+def _assert_same_context_and_tokens(states, rows, model, ids, mask):
+    """Two sessions' (context lengths, context K, context V, tokens) -- deferred and per-step
+    appends -- hold the same drafter context (at least ``rows`` rows a request; fp32 rounding: fc
+    over other row counts) and tokens, which equal autoregressive decoding's."""
+    (n0, k0, v0, t0), (n1, k1, v1, t1) = states
+    assert torch.equal(n0, n1) and int(n0.min()) >= rows
+    for r, n in enumerate(n0.tolist()):
+        torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
+    assert torch.equal(t0[0], t1[0]) and t0[1] == t1[1]
+    n = min(t0[1])
+    ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
+    assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])
+
+
 @pytest.mark.parametrize("defer_rows", [None, 5])
 def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(monkeypatch, defer_rows):
     """In a session with a drafter, an AR step stores its taps; they reach the drafter's context in
@@ -1497,15 +1512,7 @@ def test_autoregressive_steps_defer_the_drafters_context_until_a_tree_needs_it(m
     # its B + 1 = 5 nodes, the accepted ones gathered inside)
     assert [a for d, a in calls if d] == [ids.shape[1], rows, 3, 5]
     assert sum(1 for d, _ in calls if not d) == 1 + rows + 3 + 1
-    (n0, k0, v0, t0), (n1, k1, v1, t1) = states
-    assert torch.equal(n0, n1) and int(n0.min()) >= rows + 3
-    for r, n in enumerate(n0.tolist()):
-        torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
-    assert torch.equal(t0[0], t1[0]) and t0[1] == t1[1]
-    n = min(t0[1])
-    ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
-    assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])
+    _assert_same_context_and_tokens(states, rows + 3, model, ids, mask)
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="defer_rows must be an int >= 1"):
             GenerationSession(model, base, batch_size=2, max_prompt=16, max_new=40, budgets=(0, 4), defer_rows=bad)
@@ -1549,12 +1556,4 @@ def test_a_compiled_session_flushes_a_short_run_of_ar_steps_through_the_short_fl
     # 3 and SHORT_FLUSH stored: short; SHORT_FLUSH + 1: the store's; store + 2: the full store's
     # flush before the AR step that would overfill it, then the 2 rows since: short
     assert keys == ["flush_short", "flush_short", "flush", "flush", "flush_short"], keys
-    (n0, k0, v0, t0), (n1, k1, v1, t1) = states
-    assert torch.equal(n0, n1) and int(n0.min()) >= sum(runs)
-    for r, n in enumerate(n0.tolist()):
-        torch.testing.assert_close(k0[:, r, :n], k1[:, r, :n], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v0[:, r, :n], v1[:, r, :n], rtol=1e-5, atol=1e-6)
-    assert torch.equal(t0[0], t1[0]) and t0[1] == t1[1]
-    n = min(t0[1])
-    ar = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None)
-    assert torch.equal(t0[0][:, :n], ar[:, ids.shape[1]:])
+    _assert_same_context_and_tokens(states, sum(runs), model, ids, mask)
