@@ -202,6 +202,27 @@ def test_generation_session_allocation_within_2_percent(kv_dtype):
     assert abs(predicted - actual) <= 0.02 * actual
 
 
+def test_the_planner_counts_a_drafter_sessions_tap_store():
+    """The AR steps' tap store of a session with a drafter and AR + tree budgets (what
+    ``tree_budget="auto"`` builds): the planner's rows are the session's DEFER_ROWS and its bytes the
+    session's buffer; without a drafter there is none."""
+    from torch_kdtree.models.generation import GenerationSession
+    from torch_kdtree.models.generation.session import DEFER_ROWS
+    from torch_kdtree.models.generation.tiny import TINY_TARGET, tiny_drafter, tiny_target
+    from torch_kdtree.models.kimi_k2.writer import k2_config_dict
+    from torch_kdtree.plan.memory import TAP_STORE_ROWS, tap_store_bytes
+
+    assert TAP_STORE_ROWS == DEFER_ROWS
+    target = tiny_target(0).to(torch.bfloat16)
+    drafter = tiny_drafter(target, block_size=4).to(torch.bfloat16)
+    session = GenerationSession(target, drafter, batch_size=3, max_prompt=16, max_new=8, budgets=(0, 5),
+                                cuda_graphs=False)
+    t = TargetShape.from_config(k2_config_dict(TINY_TARGET, int4=False))
+    d = DrafterShape.from_config(drafter.config.to_dict())
+    assert tap_store_bytes(t, d, 3) == session.pending.numel() * session.pending.element_size() > 0
+    assert tap_store_bytes(t, None, 3) == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (issue 49's H200 line)")
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("requests, context, budget, block", [(1, 200_000, 0, 1), (2, 131_072, 16, 8)])

@@ -28,6 +28,9 @@ DEFAULT_MEM_FRACTION = 0.9  # vLLM's default gpu_memory_utilization
 DEFAULT_OVERHEAD_BYTES = 4 * GiB
 DRAFTER_SLOT_ALIGN = 16  # DFlashDraftModel.setup_cache rounds its context slots up to 16
 ACTIVATION_ROWS = 16  # hidden-sized bf16 rows alive per verified tree node (an estimate)
+# A drafter session's store of AR steps' taps per request (models/generation/session.py DEFER_ROWS; a
+# test keeps the two equal: this package imports no torch): rows of taps x hidden bf16 values.
+TAP_STORE_ROWS = 128
 
 REPLICATE, ROWS, COLS = "replicate", "rows", "cols"  # how TP splits a [rows, cols] weight
 # Weight groups each checkpoint format stores quantised; the rest is bf16 (fp32 where marked).
@@ -199,12 +202,19 @@ def drafter_cache_bytes(d: DrafterShape, requests: int, context: int, tp: int = 
     return requests * (slots * drafter_kv_bytes_per_token(d, tp) + 8)
 
 
+def tap_store_bytes(t: TargetShape, d: DrafterShape | None, requests: int) -> int:
+    """The AR steps' stored taps of a session with a drafter (its context projection runs for them in
+    one batch before the next tree step): TAP_STORE_ROWS rows of taps x hidden bf16 values a request."""
+    return 0 if d is None else requests * TAP_STORE_ROWS * d.taps * t.hidden * 2
+
+
 def verify_scratch_bytes(t: TargetShape, d: DrafterShape | None, tree_budget: int, requests: int, tp: int) -> int:
     """Activations of a step that scale with budget x batch: fp32 logits over this GPU's vocabulary
-    slice for the B + 1 tree nodes and the L draft depths, and ACTIVATION_ROWS hidden rows per node."""
+    slice for the B + 1 tree nodes and the L draft depths, and ACTIVATION_ROWS hidden rows per node;
+    with a drafter, also the AR steps' tap store (:func:`tap_store_bytes`)."""
     nodes, depths = tree_budget + 1, d.depths if d is not None else 0
     per_request = (nodes + depths) * (t.vocab // tp) * 4 + nodes * t.hidden * 2 * ACTIVATION_ROWS
-    return requests * per_request
+    return requests * per_request + tap_store_bytes(t, d, requests)
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -381,5 +391,5 @@ __all__ = ["KV_DTYPE_BYTES", "DEFAULT_PAGE_SIZE", "DEFAULT_MEM_FRACTION", "DEFAU
            "target_tensors", "drafter_tensors", "stored_bytes", "tensor_bytes_per_gpu", "weights_per_gpu",
            "drafter_weights_per_gpu", "vision_weights", "kv_bytes_per_token_per_layer", "kv_bytes_per_token",
            "drafter_kv_bytes_per_token", "cache_tokens_per_request", "tokens_for_memory", "engine_cache_bytes",
-           "drafter_cache_bytes", "verify_scratch_bytes", "Deployment", "check_deployment", "kv_pool_bytes",
+           "drafter_cache_bytes", "verify_scratch_bytes", "tap_store_bytes", "Deployment", "check_deployment", "kv_pool_bytes",
            "request_bytes_per_gpu", "fits", "largest", "max_concurrency", "Plan", "evaluate"]

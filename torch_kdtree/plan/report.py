@@ -14,7 +14,7 @@ GROUP_LABELS = {
     "routed_experts": "routed experts", "attention": "attention (MLA)", "dense_mlp": "dense MLP (layer 0)",
     "shared_experts": "shared experts", "router": "routers + bias", "norms": "norms",
     "embedding": "embedding (replicated)", "lm_head": "lm_head (by vocabulary)", "vision": "vision tower (--vision)",
-    "drafter": "drafter", "overhead": "overhead (--overhead)", "verify_scratch": "verify scratch",
+    "drafter": "drafter", "overhead": "overhead (--overhead)", "verify_scratch": "step scratch (+ AR tap store)",
 }
 
 
