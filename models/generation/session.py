@@ -550,12 +550,12 @@ class GenerationSession:
     def _run_flush(self) -> None:
         """The flush of the ``_deferred`` stored AR steps: eagerly, exactly their rows; compiled
         or captured (fixed shapes), the short flush when they fit it, else the whole store."""
-        if not self.use_graphs and not self._compiled:
-            with self._unchecked():
-                self._flush(self._deferred)
-        else:
+        if self.use_graphs or self._compiled:
             key = "flush_short" if self._deferred <= SHORT_FLUSH and "flush_short" in self._fns else "flush"
             self._run(key, self._fns[key])
+        else:
+            rows = self._deferred
+            self._run("flush", lambda: self._flush(rows))
         self._deferred = 0
 
     def _flush_due(self, budget: int) -> bool:
