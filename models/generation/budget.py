@@ -31,7 +31,10 @@ stay written off), at the largest budget still unclear (the larger ones are rule
 smaller step costs less); otherwise it is one step.  While AR is the choice the next look waits
 that bound times 1 - p (``PATIENCE_FLOOR`` at least), p the progress towards AR's rate the most
 promising tree has surely made (:meth:`BudgetPlanner._patience`): a drafter that fell steadily
-just short at a hard start looks again soon, a useless or lucky one waits the whole bound.  An
+just short at a hard start looks again soon, a useless or lucky one waits the whole bound.  In a
+generation of known length a near miss (p >= 0.2 when the look ended) brings the next look within
+``NEAR_SPACING`` x (1 - p)^2 of the generation, however long the share bound's wait (a first look
+at a hard start can cost more than the share of a short generation; :meth:`BudgetPlanner._wait`).  An
 exploration that finds nothing better halves
 ``share`` (``max_backoff`` times at most), and any change of the choice restores it: a useless
 drafter is looked at less often, a change of text is followed at once.  A tree that becomes the
@@ -51,6 +54,8 @@ PROBATION = 4.0  # request-steps behind a(b) before a chosen tree runs whole seg
 CONFIRM_STEPS = 4  # the most steps a dipped tree is measured on before AR takes over
 RECHECK_STEPS = 2  # the same for a tree still on probation (once per scheduled look)
 FIRST_LOOK_SHARE = 0.05  # with ``tokens``: the first look's step costs at most this share of the generation's AR time
+NEAR = 0.8  # a look that ends with the patience at most this (p >= 0.2) was a near miss
+NEAR_SPACING = 0.25  # with ``tokens``: after a near miss the next look comes within this x patience^2 of the generation
 PATIENCE_FLOOR = 0.1  # the shortest wait for the next look, as a fraction of the share bound's
 
 
@@ -107,6 +112,8 @@ class BudgetPlanner:
         self.share, self.max_backoff, self.max_explore_steps = share, max_backoff, max_explore_steps
         self.z, self.half_life, self.time_half_life = z, half_life, time_half_life
         self.largest = self.candidates[-1]
+        self.tokens = tokens
+        self.near = 1.0  # the patience when the last look ended (<= NEAR: a near miss; 1 without ``tokens``)
         self.best = self.candidates[0]
         self.backoff = 0
         self.clock = 0.0  # modelled seconds of generation so far (steps x t(budget))
@@ -157,6 +164,7 @@ class BudgetPlanner:
             unclear = self._unclear_budget()
             if self.explore_steps >= self.explore_limit or not unclear:
                 self.exploring, self.explored_at = False, self.clock
+                self.near = self._patience() if self.tokens is not None else 1.0
                 if self.best == self.explore_from and not unclear:  # it found nothing: look less often
                     self.backoff = min(self.backoff + 1, self.max_backoff)
             elif self.looking and unclear < self.explore_budget:
@@ -179,8 +187,7 @@ class BudgetPlanner:
                 self._start_exploring(before if confirmed else self.candidates[1], recheck=not confirmed)
         # an exploration of s seconds is followed by s / share seconds of other steps (share
         # halved per back-off), so exploring takes at most `share` of the time after the first
-        if not self.exploring and self.best < self.largest and \
-                self.clock - self.explored_at >= self.explore_cost * 2 ** self.backoff / self.share * self._patience():
+        if not self.exploring and self.best < self.largest and self.clock - self.explored_at >= self._wait():
             self._start_exploring()
         self._plan()
         self.history.append({"budget": budget, "steps": steps, "explore": exploring, "next": self.current,
@@ -195,6 +202,22 @@ class BudgetPlanner:
         """The budget with the most expected tokens per second among those seen."""
         known = [b for b in self.candidates if self.accept[b] is not None]
         return max(known, key=self.rate)
+
+    def _wait(self) -> float:
+        """Modelled seconds from the end of the last exploration to the next scheduled look: the
+        share bound's (the look's cost / share, share halved per back-off) times the patience;
+        after a near miss in a generation of known length (the look ended with a tree surely at
+        least 1 - NEAR of the way from 1 token a step to AR's rate), at most NEAR_SPACING x
+        patience^2 of the generation's AR time.  The share bound alone put the next look after the
+        end of the trained pair's 256-token generations on a GPU (its first look, 6-16 steps long,
+        costs more than 2 % of them): the look fell on the completion's hard start, where its trees
+        reach 0.6-0.7 of AR's rate, and DDTree ran at 0.90x AR where a fixed B = 8 gave 1.87x
+        (H100, run 228).  A useless or now-and-then drafter never makes a near miss (its a(b) less
+        its noise stays below 1 + 0.2 (need - 1)), so its looks keep the share bound."""
+        wait = self.explore_cost * 2 ** self.backoff / self.share * self._patience()
+        if self.best == 0 and self.near <= NEAR:
+            wait = min(wait, NEAR_SPACING * self.near ** 2 * self.tokens * self.seconds[0])
+        return wait
 
     def _patience(self) -> float:
         """While autoregressive decoding is the choice, how long the next scheduled look waits, as
