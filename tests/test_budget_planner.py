@@ -375,7 +375,7 @@ def test_a_drafter_right_now_and_then_costs_under_3_percent_in_every_seed(times,
     assert worst >= 0.97, worst
 
 
-# the trained default pair at batch 2 on an H100 (run 228, 256 tokens): these times give a fixed
+# the trained default pair at batch 2 on an H100 (runs 227-228, 256 tokens): these times give a fixed
 # B = 8 the 47 steps and 1.91x AR the GPU showed when replayed on the pair's own accept lengths
 PAIR_H100 = {0: 1.0, 4: 2.7, 8: 2.85, 16: 3.1, 32: 3.4, 64: 3.9}
 
@@ -386,8 +386,8 @@ def test_a_near_miss_at_a_short_generations_hard_start_is_looked_at_again_within
     rate) and then turn easy (5-7 tokens a step).  With trees only a little dearer than
     PAIR_H100 (measured or real: ``slower``) the first look ended on the hard start, and the share
     bound's next look came after the end of the 256 tokens: "auto" ran at ~0.95x AR in the worst
-    seed where a fixed budget gave 1.1-1.8x (on the H100, run 228: 0.90x once, 1.63x the next
-    time).  A near miss now brings the next look within the generation: every seed reaches 0.9
+    seed where a fixed budget gave 1.1-1.8x (on the H100, runs 227 and 228: 0.90x, then
+    1.63x).  A near miss now brings the next look within the generation: every seed reaches 0.9
     of the best fixed budget's rate.  Useless and now-and-then drafters make no near miss (next
     test), so their looks keep the share bound."""
     times = {b: 1 + (t - 1) * slower for b, t in PAIR_H100.items()}

@@ -212,8 +212,9 @@ class BudgetPlanner:
         end of the trained pair's 256-token generations on a GPU (its first look, 6-16 steps long,
         costs more than 2 % of them): the look fell on the completion's hard start, where its trees
         reach 0.6-0.7 of AR's rate, and DDTree ran at 0.90x AR where a fixed B = 8 gave 1.87x
-        (H100, run 228).  A useless or now-and-then drafter never makes a near miss (its a(b) less
-        its noise stays below 1 + 0.2 (need - 1)), so its looks keep the share bound."""
+        (H100, run 227; 1.63x in run 228).  A useless or now-and-then drafter never makes a near
+        miss (its a(b) less its noise stays below 1 + 0.2 (need - 1)), so its looks keep the share
+        bound."""
         wait = self.explore_cost * 2 ** self.backoff / self.share * self._patience()
         if self.best == 0 and self.near <= NEAR:
             wait = min(wait, NEAR_SPACING * self.near ** 2 * self.tokens * self.seconds[0])
